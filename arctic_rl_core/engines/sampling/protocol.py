@@ -1,0 +1,94 @@
+"""The sampling protocol: what every sampling backend (native, vLLM) offers.
+
+A backend is an in-process object owned by one sampling worker (a Ray actor,
+one per replica). The worker validates requests at the edge with
+``SamplingParams`` and then trusts them; backends never see raw user dicts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Iterable, Literal, Protocol
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+FinishReason = Literal["stop", "length", "abort"]
+
+
+class SamplingParams(BaseModel):
+    """Sampling parameters of one generate call; unknown keys are rejected by name."""
+
+    model_config = ConfigDict(extra="forbid", strict=False)
+
+    n: int = Field(1, ge=1, le=1024, description="Completions per prompt.")
+    max_tokens: int = Field(16, ge=1, description="Maximum new tokens per completion.")
+    min_tokens: int = Field(0, ge=0, description="EOS and stop strings are ignored before this many tokens.")
+    temperature: float = Field(1.0, ge=0.0, le=100.0, description="0 means greedy.")
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(-1, ge=-1, description="-1 or 0 disables top-k.")
+    stop: list[str] = Field(default_factory=list, description="Stop strings; excluded from the returned text.")
+    stop_token_ids: list[int] = Field(default_factory=list)
+    ignore_eos: bool = False
+    seed: int | None = Field(None, description="Same seed, same prompt, same params: same completions.")
+    logprobs: bool = Field(True, description="Return the log-prob of each sampled token.")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _stop_as_list(cls, data):
+        if isinstance(data, dict) and isinstance(data.get("stop"), str):
+            data = {**data, "stop": [data["stop"]]}
+        return data
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @property
+    def top_k_enabled(self) -> bool:
+        return self.top_k > 0
+
+
+@dataclass
+class Completion:
+    """One sampled continuation of a prompt."""
+
+    token_ids: list[int]
+    text: str
+    finish_reason: FinishReason
+    # log p(token_i | prompt, tokens_<i) under the sampling distribution's model
+    # logits (before temperature/top-p/top-k), one per token in ``token_ids``.
+    logprobs: list[float] = field(default_factory=list)
+    stop_reason: str | int | None = None
+
+    def to_dict(self) -> dict:
+        return {
+            "text": self.text,
+            "token_ids": self.token_ids,
+            "logprobs": self.logprobs,
+            "finish_reason": self.finish_reason,
+            "stop_reason": self.stop_reason,
+        }
+
+
+class SamplingBackend(Protocol):
+    """An inference engine one sampling worker drives."""
+
+    def generate(self, prompt_token_ids: list[list[int]], params: SamplingParams) -> list[list[Completion]]:
+        """``params.n`` completions for each prompt, in prompt order."""
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Replace parameters by HF name; the prefix cache is stale afterwards."""
+
+    def weight_norm(self) -> float:
+        """L2 norm over all parameters, in float64, for sync checks."""
+
+    def reset_prefix_cache(self) -> None: ...
+
+    def sleep(self, level: int) -> dict:
+        """Level 1 frees the KV cache; level 2 frees weights too. Returns what was freed."""
+
+    def wake(self, tags: list[str] | None) -> dict:
+        """Restore what ``sleep`` freed (``tags`` limits it to "weights" or "kv_cache")."""
+
+    def shutdown(self) -> None: ...
