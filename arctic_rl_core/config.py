@@ -1,0 +1,215 @@
+"""Configuration models: validated once, at the edge, then trusted inside.
+
+``ArcticRLClientConfig`` and ``WeightSyncConfig`` implement the configuration
+reference in the seeds field for field. ``TrainingConfig`` is how the server
+reads the free-form ``training_config`` dict (extra fields are ignored there,
+as the reference says).
+"""
+
+from __future__ import annotations
+
+import socket
+from typing import Any, Literal, Optional
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+DEFAULT_HTTP_PORT = 7000
+
+Backend = Literal["local", "dss-platform", "remote"]
+CommProtocol = Literal["http", "ray"]
+Device = Literal["auto", "cuda", "cpu"]
+SamplingEngineName = Literal["auto", "native", "vllm"]
+LogProbEngineName = Literal["vllm", "deepspeed"]
+
+
+def primary_ip() -> str:
+    """The IP this node uses to reach other hosts, so off-node Ray workers can reach our server.
+
+    Connecting a UDP socket sends no packet; it only asks the kernel for the
+    route's source address. Without a route we fall back to loopback.
+    """
+    for target in ("10.255.255.255", "8.8.8.8"):
+        try:
+            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+                s.connect((target, 1))
+                return s.getsockname()[0]
+        except OSError:
+            continue
+    return "127.0.0.1"
+
+
+class ArcticRLClientConfig(BaseModel):
+    """Everything a client needs to start or reach an arctic-rl deployment."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=False)
+
+    # Backend & communication
+    backend: Backend = Field(
+        "local",
+        description='Backend platform for job execution. "local" starts a server on this node; '
+        '"dss-platform" (alias "remote") connects to a server started with `arctic-rl serve`.',
+    )
+    comm_protocol: CommProtocol = Field("http", description="Communication protocol between client and server.")
+    host: Optional[str] = Field(None, description="Server hostname. Auto-derived from comm_protocol unless set.")
+    port: Optional[int] = Field(None, ge=1, le=65535, description="Server port. Auto-derived unless set.")
+
+    # Model & checkpoint
+    model_name: str = Field(..., min_length=1, description="Model name or HuggingFace ID to load on all engines.")
+    checkpoint_path: Optional[str] = Field(None, description="Path to model checkpoint for resuming training.")
+
+    # Engine configuration
+    ds_config: dict = Field(default_factory=dict, description="DeepSpeed configuration for the training engine.")
+    training_config: Optional[dict] = Field(
+        None,
+        description="Training worker config: optimizer, dtype, gradient_checkpointing, attn_impl, mb_spec, "
+        "zorro_train. Extra fields are ignored by the server.",
+    )
+    vllm_config: Optional[dict] = Field(None, description="Overrides for the sampling and log-prob engines.")
+    log_prob_ds_config: Optional[dict] = Field(None, description="Log-prob DeepSpeed worker configuration.")
+    ds_worker_config: Optional[dict] = Field(None, description="DeepSpeed worker configuration (optimizer, dtype).")
+    arctic_inference_config: Optional[dict] = Field(None, description="Arctic inference config (use_fca, ...).")
+
+    # GPU resources
+    training_gpus: int = Field(0, ge=0, description="GPUs for the DeepSpeed training engine.")
+    sampling_gpus: int = Field(0, ge=0, description="GPUs for the sampling engine.")
+    log_prob_gpus: int = Field(0, ge=0, description="GPUs for the log-prob engine.")
+    log_prob_engine: LogProbEngineName = Field("vllm", description="Engine backend for the log-prob job.")
+    colocate: bool = Field(False, description="Colocate all jobs on the same GPUs with fractional Ray resources.")
+
+    # Training & determinism
+    full_determinism: bool = Field(False, description="Call enable_full_determinism() for reproducible training.")
+    seed: int = Field(42, description="Seed used by enable_full_determinism() when full_determinism=True.")
+
+    # Ray cluster & startup
+    ray_auto_attach: bool = Field(True, description="Attach to a running Ray cluster that has GPU resources.")
+    server_logs: bool = Field(True, description="Display server subprocess stdout/stderr.")
+    startup_timeout: float = Field(300.0, gt=0, description="Seconds to wait for the local server to be healthy.")
+    health_check_interval: float = Field(2.0, gt=0, description="Seconds between health-check polls at startup.")
+    job_ready_timeout: float = Field(600.0, gt=0, description="Seconds to wait for each job to reach RUNNING.")
+
+    # Reconnection (never forwarded to /initialize)
+    training_job_id: Optional[int] = Field(None, description="Existing training job to reconnect to.")
+    sampling_job_id: Optional[int] = Field(None, description="Existing sampling job to reconnect to.")
+    log_prob_job_id: Optional[int] = Field(None, description="Existing log-prob job to reconnect to.")
+
+    # Our additions
+    device: Device = Field(
+        "auto",
+        description='"cuda", "cpu", or "auto" (CUDA when available). On CPU each "GPU" is one worker process '
+        "and collectives use gloo.",
+    )
+    sampling_engine: SamplingEngineName = Field(
+        "auto", description='"vllm", "native", or "auto": vLLM where it imports and supports the device, else native.'
+    )
+    auth_token: Optional[str] = Field(
+        None, description="Bearer token for the HTTP server. The local backend generates one when unset."
+    )
+    ray_namespace: str = Field("arctic-rl", description="Ray namespace of the server actor (Ray protocol).")
+
+    @field_validator("backend", mode="before")
+    @classmethod
+    def _backend_alias(cls, value: Any) -> Any:
+        return "dss-platform" if value == "remote" else value
+
+    @model_validator(mode="after")
+    def _check(self) -> "ArcticRLClientConfig":
+        if self.backend == "local" and not self.reconnecting:
+            if max(self.training_gpus, self.sampling_gpus, self.log_prob_gpus) <= 0:
+                raise ValueError(
+                    'backend="local" needs at least one of training_gpus, sampling_gpus or log_prob_gpus > 0 '
+                    "(or job ids to reconnect to)"
+                )
+        if self.comm_protocol == "http":
+            if self.host is None:
+                self.host = primary_ip()
+            if self.port is None:
+                self.port = DEFAULT_HTTP_PORT
+        return self
+
+    @property
+    def reconnecting(self) -> bool:
+        """True when job ids are given: the client attaches to them and sends no /initialize."""
+        return any(i is not None for i in (self.training_job_id, self.sampling_job_id, self.log_prob_job_id))
+
+    @property
+    def job_spec(self) -> dict:
+        """The fields the server needs to create jobs (job ids and client-side settings excluded)."""
+        client_only = {
+            "backend", "comm_protocol", "host", "port", "training_job_id", "sampling_job_id", "log_prob_job_id",
+            "ray_auto_attach", "server_logs", "startup_timeout", "health_check_interval", "auth_token",
+            "ray_namespace",
+        }  # fmt: skip
+        return self.model_dump(exclude=client_only)
+
+
+class WeightSyncConfig(BaseModel):
+    """NCCL weight-transfer topology between training ranks and inference replicas."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    training_sharding: Literal["dp", "fsdp"] = Field("dp", description='"dp" or "fsdp" (ZeRO-3 style sharding).')
+    training_gpus: int = Field(1, ge=1, description="Number of training GPUs.")
+    inference_replicas: int = Field(1, ge=1, description="Number of inference replicas.")
+    inference_tp: int = Field(1, ge=1, description="Tensor parallelism degree of each inference replica.")
+    base_port: int = Field(29500, ge=1, le=65535, description="Base port for NCCL communication.")
+    bucket_size: int = Field(256 * 1024 * 1024, ge=1024, description="Bucket size for weight sync in bytes.")
+    timeout_s: float = Field(300.0, gt=0, description="Timeout of every collective; a dead peer raises, never hangs.")
+
+
+class OptimizerConfig(BaseModel):
+    """AdamW and its learning-rate schedule."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    lr: float = Field(1e-5, gt=0)
+    weight_decay: float = Field(0.0, ge=0)
+    beta1: float = Field(0.9, ge=0, lt=1)
+    beta2: float = Field(0.999, ge=0, lt=1)
+    eps: float = Field(1e-8, gt=0)
+    gradient_clipping: float = Field(1.0, ge=0, description="Max global grad norm; 0 disables clipping.")
+    lr_scheduler_type: Literal["constant", "linear", "cosine"] = "constant"
+    warmup_steps_proportion: Optional[float] = Field(None, ge=0, le=1)
+    warmup_ratio: Optional[float] = Field(None, ge=0, le=1, description="Alias of warmup_steps_proportion.")
+    total_train_steps: Optional[int] = Field(None, ge=1, description="Needed by linear/cosine schedules.")
+    min_lr_ratio: float = Field(0.0, ge=0, le=1, description="Floor of linear/cosine decay, as a fraction of lr.")
+
+    @property
+    def warmup_fraction(self) -> float:
+        return self.warmup_steps_proportion if self.warmup_steps_proportion is not None else (self.warmup_ratio or 0.0)
+
+    @model_validator(mode="after")
+    def _decay_needs_horizon(self) -> "OptimizerConfig":
+        if self.lr_scheduler_type != "constant" and self.total_train_steps is None:
+            raise ValueError(f"optimizer.lr_scheduler_type={self.lr_scheduler_type!r} needs optimizer.total_train_steps")
+        return self
+
+
+class MicroBatchSpec(BaseModel):
+    """How a fwd_bwd batch is split: each micro-batch holds at most ``max_tokens_per_mb`` tokens."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    max_tokens_per_mb: Optional[int] = Field(None, ge=1, description="None: one micro-batch per call.")
+    n_mbs: Optional[int] = Field(None, ge=1, description="Minimum number of micro-batches.")
+
+
+class ZorroTrainConfig(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    enable: bool = False
+    min_shared_tokens: int = Field(16, ge=1, description="Shorter shared prefixes are not worth packing.")
+
+
+class TrainingConfig(BaseModel):
+    """The server's reading of ``training_config``; unknown keys are ignored, as the seeds say."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig)
+    dtype: Literal["float32", "bfloat16", "float16"] = "bfloat16"
+    gradient_checkpointing: bool = False
+    attn_impl: Literal["sdpa", "eager", "flash_attention_2", "flex_attention"] = "sdpa"
+    mb_spec: MicroBatchSpec = Field(default_factory=MicroBatchSpec)
+    zorro_train: ZorroTrainConfig = Field(default_factory=ZorroTrainConfig)
+    default_loss: str = Field("sft", description="Loss used when fwd_bwd gets processing=None.")
+    default_loss_config: dict = Field(default_factory=dict)
