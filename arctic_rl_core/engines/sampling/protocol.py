@@ -71,8 +71,33 @@ class Completion:
         }
 
 
+class SamplingEngineOptions(BaseModel):
+    """Engine settings common to every backend, read from ``vllm_config`` / ``arctic_inference_config``.
+
+    Keys a backend does not know stay in ``extra`` (vLLM passes them to its
+    engine arguments; the native engine rejects them by name).
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    device: Literal["cuda", "cpu"] = "cpu"
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    seed: int = 0
+    max_model_len: int | None = Field(None, ge=16, description="Prompt + completion length limit; None: the model's.")
+    max_num_seqs: int = Field(256, ge=1, description="Sequences decoded together in one step.")
+    gpu_memory_utilization: float = Field(0.5, gt=0.0, le=1.0, description="Share of device memory for weights+KV.")
+    block_size: int = Field(16, ge=1, description="Tokens per KV-cache block.")
+    enable_prefix_caching: bool = True
+    enforce_eager: bool = False
+    use_fca: bool = Field(True, description="Forest Cascade Attention for decode batches that share prefixes.")
+    tensor_parallel_size: int = Field(1, ge=1)
+    extra: dict = Field(default_factory=dict, description="Backend-specific keys, passed through.")
+
+
 class SamplingBackend(Protocol):
-    """An inference engine one sampling worker drives."""
+    """An inference engine one sampling worker drives, built as ``Backend(model_path, options)``."""
+
+    def __init__(self, model_path: str, options: SamplingEngineOptions) -> None: ...
 
     def generate(self, prompt_token_ids: list[list[int]], params: SamplingParams) -> list[list[Completion]]:
         """``params.n`` completions for each prompt, in prompt order."""

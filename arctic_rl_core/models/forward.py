@@ -1,0 +1,47 @@
+"""The plain forward every engine shares: hidden states only where they are needed.
+
+Log-probs follow the ``torch.roll(input_ids, -1)`` convention: the hidden state
+at position t predicts token t+1. A loss needs logits only at its response
+positions, so engines run the decoder body, keep the selected rows and apply
+the LM head to those alone (the [B, T, V] logits tensor of a long batch would
+otherwise dominate memory). ZoRRo Train replaces ``selected_hidden_states``
+with a packed computation that returns the same rows.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Positions that skip padding, so left- and right-padded rows see the RoPE of their unpadded text."""
+    return (attention_mask.long().cumsum(-1) - 1).clamp_min(0)
+
+
+def decoder_body(model: nn.Module) -> nn.Module:
+    """The transformer body of an HF causal LM (``model.model`` for Llama/Qwen/Mistral)."""
+    body = model.get_decoder() if hasattr(model, "get_decoder") else None
+    if body is None:
+        raise TypeError(f"{type(model).__name__} exposes no decoder body (get_decoder())")
+    return body
+
+
+def lm_head(model: nn.Module) -> nn.Module:
+    head = model.get_output_embeddings()
+    if head is None:
+        raise TypeError(f"{type(model).__name__} has no output embeddings (lm_head)")
+    return head
+
+
+def selected_hidden_states(
+    model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, select: torch.Tensor
+) -> torch.Tensor:
+    """Final hidden states at ``select`` (a [B, T] bool mask), as [N, H] rows in row-major order."""
+    out = decoder_body(model)(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=position_ids_from_mask(attention_mask),
+        use_cache=False,
+    )
+    return out.last_hidden_state[select]

@@ -1,0 +1,1 @@
+"""ZoRRo: compute shared prefixes once, in training (train/) and in decode (attention/)."""
