@@ -1,0 +1,172 @@
+"""Post-processors: temperature, chunked log-probs and entropy, and the ``processing["post"]`` pipeline."""
+
+import math
+
+import pytest
+import torch
+
+from arctic_rl_core.processors import (
+    PostProcessingError,
+    apply_temperature,
+    compute_entropy,
+    compute_logprobs,
+    resolve_post,
+)
+
+# softmax([0, ln 2, ln 3]) = [1/6, 2/6, 3/6]
+ROW = [0.0, math.log(2.0), math.log(3.0)]
+
+
+def test_apply_temperature_divides_logits():
+    logits = torch.tensor([[2.0, 4.0, -6.0]])
+    assert torch.equal(apply_temperature(logits, 2.0), torch.tensor([[1.0, 2.0, -3.0]]))
+
+
+def test_temperature_one_returns_the_same_tensor():
+    logits = torch.randn(2, 5)
+    assert apply_temperature(logits, 1.0) is logits
+
+
+@pytest.mark.parametrize("bad", [0.0, -1.0, float("inf"), float("nan")])
+def test_apply_temperature_rejects_non_positive_or_non_finite(bad):
+    with pytest.raises(ValueError, match="temperature"):
+        apply_temperature(torch.zeros(1, 2), bad)
+
+
+def test_compute_logprobs_matches_hand_computed_values_and_gradient():
+    logits = torch.tensor([ROW, ROW], requires_grad=True)
+    logprobs = compute_logprobs(logits, torch.tensor([2, 0]))
+    assert logprobs.dtype == torch.float32
+    torch.testing.assert_close(logprobs, torch.tensor([math.log(0.5), math.log(1 / 6)]))
+    logprobs[0].backward()
+    # d log p_2 / d logits = onehot(2) - p
+    torch.testing.assert_close(logits.grad, torch.tensor([[-1 / 6, -2 / 6, 3 / 6], [0.0, 0.0, 0.0]]))
+
+
+def test_compute_entropy_matches_hand_computed_values_and_gradient():
+    logits = torch.tensor([ROW, [0.5, 0.5, 0.5]], requires_grad=True)
+    entropy = compute_entropy(logits)
+    # H = (1/6) ln 6 + (1/3) ln 3 + (1/2) ln 2 = 1.011404; a uniform row over 3 has ln 3
+    torch.testing.assert_close(entropy, torch.tensor([1.011404, math.log(3.0)]))
+    entropy[0].backward()
+    # dH/dx_j = -p_j (ln p_j + H)
+    torch.testing.assert_close(logits.grad[0], torch.tensor([0.130059, 0.029069, -0.159128]), atol=1e-5, rtol=0)
+    torch.testing.assert_close(logits.grad[1], torch.zeros(3))
+
+
+@pytest.mark.parametrize("chunk_rows", [1, 3, 64])
+def test_chunked_logprobs_and_entropy_equal_plain_log_softmax(chunk_rows):
+    torch.manual_seed(0)
+    logits = torch.randn(7, 11, dtype=torch.float64, requires_grad=True)
+    labels = torch.randint(0, 11, (7,))
+    weights = torch.randn(7, dtype=torch.float64)
+
+    logprobs = compute_logprobs(logits, labels, chunk_rows=chunk_rows)
+    entropy = compute_entropy(logits, chunk_rows=chunk_rows)
+    (grad_ours,) = torch.autograd.grad((logprobs * weights).sum() + (entropy * weights).sum(), logits)
+
+    log_softmax = torch.log_softmax(logits, dim=-1)
+    reference_logprobs = log_softmax.gather(-1, labels[:, None]).squeeze(-1)
+    reference_entropy = -(log_softmax.exp() * log_softmax).sum(-1)
+    (grad_reference,) = torch.autograd.grad(
+        (reference_logprobs * weights).sum() + (reference_entropy * weights).sum(), logits
+    )
+    torch.testing.assert_close(logprobs, reference_logprobs)
+    torch.testing.assert_close(entropy, reference_entropy)
+    torch.testing.assert_close(grad_ours, grad_reference)
+
+
+def test_logprobs_and_entropy_pass_gradcheck():
+    torch.manual_seed(1)
+    logits = torch.randn(5, 4, dtype=torch.float64, requires_grad=True)
+    labels = torch.tensor([0, 3, 1, 1, 2])
+    assert torch.autograd.gradcheck(lambda x: compute_logprobs(x, labels, chunk_rows=2), (logits,))
+    assert torch.autograd.gradcheck(lambda x: compute_entropy(x, chunk_rows=2), (logits,))
+
+
+def _bytes_saved_for_backward(fn) -> int:
+    saved = []
+
+    def pack(tensor):
+        saved.append(tensor.numel() * tensor.element_size())
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn()
+    return sum(saved)
+
+
+def test_bf16_logprobs_keep_no_float32_copy_of_the_logits_for_backward():
+    rows, vocab = 64, 512
+    logits = torch.randn(rows, vocab, dtype=torch.bfloat16, requires_grad=True)
+    labels = torch.randint(0, vocab, (rows,))
+    one_fp32_copy = rows * vocab * 4
+
+    naive = _bytes_saved_for_backward(
+        lambda: torch.log_softmax(logits.float(), -1).gather(-1, labels[:, None]).sum()
+    )
+    ours = _bytes_saved_for_backward(lambda: compute_logprobs(logits, labels, chunk_rows=8).sum())
+    ours_entropy = _bytes_saved_for_backward(lambda: compute_entropy(logits, chunk_rows=8).sum())
+
+    assert naive >= one_fp32_copy  # the measurement sees the copy a plain log_softmax keeps
+    assert ours < one_fp32_copy * 0.55  # the bf16 logits (half a copy) plus per-row scalars
+    assert ours_entropy < one_fp32_copy * 0.55
+
+
+def test_bf16_logprobs_are_computed_in_float32():
+    torch.manual_seed(2)
+    logits = torch.randn(6, 50).to(torch.bfloat16)
+    labels = torch.randint(0, 50, (6,))
+    expected = torch.log_softmax(logits.float(), -1).gather(-1, labels[:, None]).squeeze(-1)
+    result = compute_logprobs(logits, labels, chunk_rows=4)
+    assert result.dtype == torch.float32
+    torch.testing.assert_close(result, expected)
+
+
+def test_compute_logprobs_rejects_mismatched_labels():
+    with pytest.raises(ValueError, match=r"labels must have shape \[3\]"):
+        compute_logprobs(torch.zeros(3, 5), torch.zeros(4, dtype=torch.long))
+
+
+def test_empty_post_is_the_identity_without_entropy():
+    logits = torch.randn(2, 3)
+    pipeline = resolve_post([])
+    assert pipeline(logits) is logits and not pipeline.wants_entropy
+    assert resolve_post(None)(logits) is logits
+
+
+def test_post_temperatures_compose_in_order():
+    pipeline = resolve_post(
+        [{"name": "temperature", "config": {"temperature": 2.0}}, {"name": "temperature", "config": {"temperature": 4}}]
+    )
+    torch.testing.assert_close(pipeline(torch.tensor([[8.0, -16.0]])), torch.tensor([[1.0, -2.0]]))
+
+
+def test_post_compute_entropy_asks_for_entropy_and_compute_logprobs_changes_nothing():
+    logits = torch.randn(2, 3)
+    assert resolve_post(["compute_entropy"]).wants_entropy
+    pipeline = resolve_post(["compute_logprobs"])
+    assert pipeline(logits) is logits and not pipeline.wants_entropy
+
+
+def test_unknown_post_processor_error_names_it_and_the_known_ones():
+    message = r"post\[1\]: unknown post-processor 'top_k'; known: compute_entropy, compute_logprobs, temperature"
+    with pytest.raises(PostProcessingError, match=message):
+        resolve_post(["compute_logprobs", "top_k"])
+
+
+@pytest.mark.parametrize(
+    "entries, message",
+    [
+        (["temperature"], r"post\[0\] 'temperature': temperature: Field required"),
+        ([{"name": "temperature", "config": {"temperature": -1}}], r"temperature: Input should be greater than 0"),
+        ([{"name": "temperature", "config": {"temperature": 1, "tau": 2}}], r"tau: Extra inputs are not permitted"),
+        ([{"name": "compute_entropy", "config": {"x": 1}}], r"'compute_entropy' takes no config"),
+        ([{"name": "temperature", "cfg": {}}], r"post\[0\] must be a name or"),
+        ([42], r"post\[0\] must be a name or"),
+        ("temperature", r"post must be a list"),
+    ],
+)
+def test_bad_post_entries_are_rejected_by_name(entries, message):
+    with pytest.raises(PostProcessingError, match=message):
+        resolve_post(entries)
