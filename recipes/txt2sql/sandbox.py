@@ -1,0 +1,136 @@
+"""Run model-written SQL against a real SQLite database without letting it change or escape anything.
+
+Layers, each enough on its own for writes, together also for the rest:
+
+- the file is opened read-only (``file:...?mode=ro``) and ``PRAGMA query_only``
+  is set, so no statement can write;
+- an authorizer admits only what a SELECT needs (reading tables, calling
+  functions, recursive CTEs) and refuses everything else at prepare time:
+  ATTACH, PRAGMA, DDL, DML, transactions;
+- Python's ``execute`` prepares exactly one statement (``SELECT 1; DROP ...``
+  is refused before anything runs);
+- a progress handler interrupts a statement past its deadline (an endless
+  recursive CTE), rows past ``max_rows`` are refused, and SQLite's length limit
+  caps any single string or blob (``zeroblob(1e9)``).
+"""
+
+from __future__ import annotations
+
+import sqlite3
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+# Virtual-machine instructions between deadline checks: fine enough to stop
+# within milliseconds, coarse enough to cost nothing measurable.
+_PROGRESS_INTERVAL = 1000
+
+_ALLOWED_ACTIONS = frozenset({sqlite3.SQLITE_SELECT, sqlite3.SQLITE_READ, sqlite3.SQLITE_FUNCTION, sqlite3.SQLITE_RECURSIVE})
+
+Row = tuple
+
+
+class SQLExecutionError(Exception):
+    """The statement did not produce a result (syntax error, unknown column, ...)."""
+
+
+class SQLRefused(SQLExecutionError):
+    """The statement is not one read-only query: several statements, a write, ATTACH, PRAGMA, ..."""
+
+
+class SQLTimeout(SQLExecutionError):
+    """The statement ran past its deadline and was interrupted."""
+
+
+class SQLResultTooLarge(SQLExecutionError):
+    """The statement returned more rows than allowed."""
+
+
+@dataclass(frozen=True)
+class ExecutionLimits:
+    """Bounds on one statement: wall-clock seconds, result rows, bytes in any one value."""
+
+    timeout_s: float = 2.0
+    max_rows: int = 10_000
+    max_value_bytes: int = 1_000_000
+
+    def __post_init__(self):
+        if not self.timeout_s > 0:
+            raise ValueError(f"timeout_s must be > 0 seconds, got {self.timeout_s}")
+        if self.max_rows < 1:
+            raise ValueError(f"max_rows must be >= 1, got {self.max_rows}")
+        if self.max_value_bytes < 1:
+            raise ValueError(f"max_value_bytes must be >= 1, got {self.max_value_bytes}")
+
+
+class _Authorizer:
+    """Admits the actions of a SELECT and remembers whether it denied anything.
+
+    SQLite reports some denials as a generic SQLITE_ERROR, so the memory, not
+    the error code, tells a refusal from an ordinary error.
+    """
+
+    def __init__(self):
+        self.denied = False
+
+    def __call__(self, action: int, *_details) -> int:
+        if action in _ALLOWED_ACTIONS:
+            return sqlite3.SQLITE_OK
+        self.denied = True
+        return sqlite3.SQLITE_DENY
+
+
+def _open_readonly(
+    db_path: str | Path, max_value_bytes: int = ExecutionLimits.max_value_bytes
+) -> tuple[sqlite3.Connection, _Authorizer]:
+    """A connection to ``db_path`` that can only read, and its authorizer. FileNotFoundError if there is no such file."""
+    path = Path(db_path).resolve()
+    if not path.is_file():
+        raise FileNotFoundError(f"SQLite database {str(path)!r} does not exist")
+    # mode=ro also keeps SQLite from creating a missing file.
+    connection = sqlite3.connect(f"{path.as_uri()}?mode=ro", uri=True)
+    connection.execute("PRAGMA query_only = ON")
+    connection.setlimit(sqlite3.SQLITE_LIMIT_LENGTH, max_value_bytes)
+    authorizer = _Authorizer()
+    connection.set_authorizer(authorizer)
+    return connection, authorizer
+
+
+def execute_readonly(db_path: str | Path, sql: str, limits: ExecutionLimits = ExecutionLimits()) -> list[Row]:
+    """All result rows of one read-only statement ``sql`` on ``db_path``, within ``limits``.
+
+    Raises SQLRefused, SQLTimeout, SQLResultTooLarge or SQLExecutionError; the
+    database file is never modified.
+    """
+    connection, authorizer = _open_readonly(db_path, limits.max_value_bytes)
+    deadline = time.monotonic() + limits.timeout_s
+    # A true return makes SQLite abandon the statement with SQLITE_INTERRUPT.
+    connection.set_progress_handler(lambda: time.monotonic() > deadline, _PROGRESS_INTERVAL)
+    try:
+        rows = connection.execute(sql).fetchmany(limits.max_rows + 1)
+    except sqlite3.ProgrammingError as error:
+        raise SQLRefused(f"only a single statement may run: {error}") from error
+    except sqlite3.DatabaseError as error:
+        if error.sqlite_errorname == "SQLITE_INTERRUPT":
+            raise SQLTimeout(f"statement exceeded {limits.timeout_s}s and was interrupted") from error
+        if authorizer.denied or error.sqlite_errorname == "SQLITE_READONLY":
+            raise SQLRefused(f"statement is not a read-only query: {error}") from error
+        raise SQLExecutionError(str(error)) from error
+    finally:
+        connection.close()
+    if len(rows) > limits.max_rows:
+        raise SQLResultTooLarge(f"statement returned more than {limits.max_rows} rows")
+    return rows
+
+
+def table_definitions(db_path: str | Path) -> list[str]:
+    """The ``CREATE TABLE`` statements of ``db_path``, in schema order."""
+    connection, _ = _open_readonly(db_path)
+    try:
+        # sqlite_master is readable under the authorizer: it is a table read.
+        rows = connection.execute(
+            "SELECT sql FROM sqlite_master WHERE type = 'table' AND sql IS NOT NULL AND name NOT LIKE 'sqlite_%'"
+        ).fetchall()
+    finally:
+        connection.close()
+    return [sql for (sql,) in rows]
