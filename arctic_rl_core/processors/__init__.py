@@ -12,8 +12,8 @@ Importing this package registers the built-in losses (importing their modules do
    ``mask = loss_mask_from_context(context, attention_mask)``: bad requests fail
    here, before any forward pass, with a :class:`ProcessingError` (4xx).
 3. Per micro-batch: logits of the loss rows -> ``post(logits)`` ->
-   ``compute_logprobs`` (and ``compute_entropy`` when
-   ``spec.needs_entropy(config) or post.wants_entropy``) -> ``spec(LossInputs(...), config)``
+   ``compute_logprobs``, or ``compute_logprobs_and_entropy`` when
+   ``spec.needs_entropy(config) or post.wants_entropy`` -> ``spec(LossInputs(...), config)``
    -> backward on ``LossOutput.loss``.
 4. Sum losses, metric (sum, weight) pairs and maxima over micro-batches and ranks.
 """
@@ -45,6 +45,7 @@ from arctic_rl_core.processors.post import (
     apply_temperature,
     compute_entropy,
     compute_logprobs,
+    compute_logprobs_and_entropy,
     register_logit_transform,
     resolve_post,
 )
@@ -73,6 +74,7 @@ __all__ = [
     "apply_temperature",
     "compute_entropy",
     "compute_logprobs",
+    "compute_logprobs_and_entropy",
     "grpo_loss",
     "importance_sampling_loss",
     "kl_estimate",

@@ -12,11 +12,13 @@ transformed logits, by the engine; they are not steps of the pipeline:
 - ``compute_entropy`` asks for entropy even when the loss does not need it,
   so the ``entropy`` metric is reported.
 
-Log-probs and entropy are computed in float32 chunks of rows with hand-written
-backward passes: neither saves a float32 [N, V] tensor for backward, and no
-float32 copy of more than one chunk exists at a time. (``log_softmax`` under
-autograd keeps its float32 [N, V] output alive until backward, which for a
-150k vocabulary is most of a GPU's memory at long sequence lengths.)
+Log-probs and entropy are computed in float32 chunks of rows with a
+hand-written backward pass: nothing float32 of size [N, V] is saved for
+backward, and no float32 copy of more than one chunk exists at a time.
+(``log_softmax`` under autograd keeps its float32 [N, V] output alive until
+backward, which for a 150k vocabulary is most of a GPU's memory at long
+sequence lengths.) ``compute_logprobs_and_entropy`` shares one softmax between
+the two, forward and backward.
 """
 
 from __future__ import annotations
@@ -60,66 +62,57 @@ def apply_temperature(logits: Tensor, temperature: float) -> Tensor:
     return logits if temperature == 1 else logits / temperature
 
 
-class _TokenLogprobs(torch.autograd.Function):
-    """log_softmax(logits)[label] per row, saving only the input logits and one float32 per row."""
+class _SoftmaxStatistics(torch.autograd.Function):
+    """Per row of ``logits``: log p(label) and/or the entropy, from one float32 pass per chunk of rows.
+
+    Only the input logits and two numbers per row are saved for backward; the
+    softmax is recomputed chunk by chunk there. Asked for both, the log-prob
+    and entropy gradients are formed from a single recomputed softmax.
+    """
 
     @staticmethod
-    def forward(ctx, logits: Tensor, labels: Tensor, rows: int) -> Tensor:
-        logsumexp = torch.empty(logits.shape[0], dtype=_math_dtype(logits), device=logits.device)
-        picked = torch.empty_like(logsumexp)
+    def forward(ctx, logits: Tensor, labels: Tensor | None, want_entropy: bool, rows: int):
+        ctx.set_materialize_grads(False)
+        logsumexp, picked, entropy = (
+            torch.zeros(logits.shape[0], dtype=_math_dtype(logits), device=logits.device) for _ in range(3)
+        )
         for start in range(0, logits.shape[0], rows):
-            chunk = _upcast(logits[start : start + rows])
-            logsumexp[start : start + rows] = torch.logsumexp(chunk, dim=-1)
-            picked[start : start + rows] = chunk.gather(-1, labels[start : start + rows, None]).squeeze(-1)
-        ctx.save_for_backward(logits, labels, logsumexp)
-        ctx.rows = rows
-        return picked - logsumexp
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, grad_out: Tensor):
-        logits, labels, logsumexp = ctx.saved_tensors
-        grad = torch.empty_like(logits)
-        for start in range(0, logits.shape[0], ctx.rows):
-            end = start + ctx.rows
-            g = _upcast(grad_out[start:end, None])
-            # d logp[label] / d logits = onehot(label) - softmax(logits)
-            chunk = (_upcast(logits[start:end]) - logsumexp[start:end, None]).exp_().mul_(-g)
-            chunk.scatter_add_(-1, labels[start:end, None], g)
-            grad[start:end] = chunk
-        return grad, None, None
-
-
-class _Entropy(torch.autograd.Function):
-    """Entropy of softmax(logits) per row, saving only the input logits and two float32 per row."""
-
-    @staticmethod
-    def forward(ctx, logits: Tensor, rows: int) -> Tensor:
-        logsumexp = torch.empty(logits.shape[0], dtype=_math_dtype(logits), device=logits.device)
-        entropy = torch.empty_like(logsumexp)
-        for start in range(0, logits.shape[0], rows):
-            chunk = _upcast(logits[start : start + rows])
-            lse = torch.logsumexp(chunk, dim=-1)
-            probs = (chunk - lse[:, None]).exp_()
-            # H = logsumexp - E_p[logit]
-            entropy[start : start + rows] = lse - (probs * chunk).sum(-1)
-            logsumexp[start : start + rows] = lse
-        ctx.save_for_backward(logits, logsumexp, entropy)
-        ctx.rows = rows
-        return entropy
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, grad_out: Tensor):
-        logits, logsumexp, entropy = ctx.saved_tensors
-        grad = torch.empty_like(logits)
-        for start in range(0, logits.shape[0], ctx.rows):
-            end = start + ctx.rows
+            end = start + rows
             chunk = _upcast(logits[start:end])
-            log_probs = chunk - logsumexp[start:end, None]
-            # dH/dlogit_j = -p_j * (log p_j + H)
-            grad[start:end] = -log_probs.exp() * (log_probs + entropy[start:end, None]) * grad_out[start:end, None]
-        return grad, None
+            logsumexp[start:end] = torch.logsumexp(chunk, dim=-1)
+            if labels is not None:
+                picked[start:end] = chunk.gather(-1, labels[start:end, None]).squeeze(-1)
+            if want_entropy:
+                probs = (chunk - logsumexp[start:end, None]).exp_()
+                # H = logsumexp - E_p[logit]
+                entropy[start:end] = logsumexp[start:end] - torch.linalg.vecdot(probs, chunk)
+        ctx.save_for_backward(logits, labels, logsumexp, entropy)
+        ctx.rows = rows
+        return picked - logsumexp, entropy
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_logprobs: Tensor | None, grad_entropy: Tensor | None):
+        logits, labels, logsumexp, entropy = ctx.saved_tensors
+        grad = torch.empty_like(logits)
+        for start in range(0, logits.shape[0], ctx.rows):
+            end = start + ctx.rows
+            log_probs = _upcast(logits[start:end]) - logsumexp[start:end, None]
+            probs = log_probs.exp()
+            # d log p_label / d logit_j = [j = label] - p_j;  dH / d logit_j = -p_j * (log p_j + H)
+            # so the total is -p_j * (g_logprob + g_entropy * (log p_j + H)) + g_logprob * [j = label]
+            coefficient = log_probs  # the buffer is reused: log_probs is not needed after this
+            if grad_entropy is None:
+                coefficient.zero_()
+            else:
+                coefficient.add_(entropy[start:end, None]).mul_(grad_entropy[start:end, None])
+            if grad_logprobs is not None:
+                coefficient.add_(grad_logprobs[start:end, None])
+            chunk_grad = coefficient.mul_(probs).neg_()
+            if grad_logprobs is not None:
+                chunk_grad.scatter_add_(-1, labels[start:end, None], grad_logprobs[start:end, None])
+            grad[start:end] = chunk_grad
+        return grad, None, None, None
 
 
 def _check_rows(logits: Tensor) -> None:
@@ -127,18 +120,34 @@ def _check_rows(logits: Tensor) -> None:
         raise ValueError(f"logits must be [N, V] gathered rows, got shape {list(logits.shape)}")
 
 
+def _check_labels(logits: Tensor, labels: Tensor) -> Tensor:
+    if labels.shape != logits.shape[:1]:
+        raise ValueError(f"labels must have shape [{logits.shape[0]}], got {list(labels.shape)}")
+    return labels.long()
+
+
 def compute_logprobs(logits: Tensor, labels: Tensor, *, chunk_rows: int | None = None) -> Tensor:
     """[N] float32 (float64 for float64 logits): log p(labels[n]) under softmax(logits[n]); differentiable."""
     _check_rows(logits)
-    if labels.shape != logits.shape[:1]:
-        raise ValueError(f"labels must have shape [{logits.shape[0]}], got {list(labels.shape)}")
-    return _TokenLogprobs.apply(logits, labels.long(), _rows_per_chunk(logits.shape[-1], chunk_rows))
+    labels = _check_labels(logits, labels)
+    logprobs, _ = _SoftmaxStatistics.apply(logits, labels, False, _rows_per_chunk(logits.shape[-1], chunk_rows))
+    return logprobs
 
 
 def compute_entropy(logits: Tensor, *, chunk_rows: int | None = None) -> Tensor:
     """[N] float32 (float64 for float64 logits): entropy of softmax(logits[n]); differentiable."""
     _check_rows(logits)
-    return _Entropy.apply(logits, _rows_per_chunk(logits.shape[-1], chunk_rows))
+    _, entropy = _SoftmaxStatistics.apply(logits, None, True, _rows_per_chunk(logits.shape[-1], chunk_rows))
+    return entropy
+
+
+def compute_logprobs_and_entropy(
+    logits: Tensor, labels: Tensor, *, chunk_rows: int | None = None
+) -> tuple[Tensor, Tensor]:
+    """Both of the above from one pass over ``logits`` forward and one backward: use it when a loss needs both."""
+    _check_rows(logits)
+    labels = _check_labels(logits, labels)
+    return _SoftmaxStatistics.apply(logits, labels, True, _rows_per_chunk(logits.shape[-1], chunk_rows))
 
 
 # ---- the post registry ---------------------------------------------------------------------------------

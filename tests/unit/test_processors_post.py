@@ -10,6 +10,7 @@ from arctic_rl_core.processors import (
     apply_temperature,
     compute_entropy,
     compute_logprobs,
+    compute_logprobs_and_entropy,
     resolve_post,
 )
 
@@ -75,6 +76,23 @@ def test_chunked_logprobs_and_entropy_equal_plain_log_softmax(chunk_rows):
     torch.testing.assert_close(entropy, reference_entropy)
     torch.testing.assert_close(grad_ours, grad_reference)
 
+    fused_logprobs, fused_entropy = compute_logprobs_and_entropy(logits, labels, chunk_rows=chunk_rows)
+    (grad_fused,) = torch.autograd.grad((fused_logprobs * weights).sum() + (fused_entropy * weights).sum(), logits)
+    torch.testing.assert_close(fused_logprobs, reference_logprobs)
+    torch.testing.assert_close(fused_entropy, reference_entropy)
+    torch.testing.assert_close(grad_fused, grad_reference)
+
+
+def test_fused_statistics_give_the_right_gradient_when_only_one_is_used():
+    torch.manual_seed(3)
+    logits = torch.randn(4, 6, dtype=torch.float64, requires_grad=True)
+    labels = torch.tensor([5, 0, 2, 2])
+    logprobs, entropy = compute_logprobs_and_entropy(logits, labels, chunk_rows=3)
+    (only_logprobs,) = torch.autograd.grad(logprobs.sum(), logits, retain_graph=True)
+    (only_entropy,) = torch.autograd.grad(entropy.sum(), logits)
+    torch.testing.assert_close(only_logprobs, torch.autograd.grad(compute_logprobs(logits, labels).sum(), logits)[0])
+    torch.testing.assert_close(only_entropy, torch.autograd.grad(compute_entropy(logits).sum(), logits)[0])
+
 
 def test_logprobs_and_entropy_pass_gradcheck():
     torch.manual_seed(1)
@@ -82,6 +100,7 @@ def test_logprobs_and_entropy_pass_gradcheck():
     labels = torch.tensor([0, 3, 1, 1, 2])
     assert torch.autograd.gradcheck(lambda x: compute_logprobs(x, labels, chunk_rows=2), (logits,))
     assert torch.autograd.gradcheck(lambda x: compute_entropy(x, chunk_rows=2), (logits,))
+    assert torch.autograd.gradcheck(lambda x: compute_logprobs_and_entropy(x, labels, chunk_rows=2), (logits,))
 
 
 def _bytes_saved_for_backward(fn) -> int:
@@ -107,10 +126,14 @@ def test_bf16_logprobs_keep_no_float32_copy_of_the_logits_for_backward():
     )
     ours = _bytes_saved_for_backward(lambda: compute_logprobs(logits, labels, chunk_rows=8).sum())
     ours_entropy = _bytes_saved_for_backward(lambda: compute_entropy(logits, chunk_rows=8).sum())
+    ours_fused = _bytes_saved_for_backward(
+        lambda: sum(t.sum() for t in compute_logprobs_and_entropy(logits, labels, chunk_rows=8))
+    )
 
     assert naive >= one_fp32_copy  # the measurement sees the copy a plain log_softmax keeps
     assert ours < one_fp32_copy * 0.55  # the bf16 logits (half a copy) plus per-row scalars
     assert ours_entropy < one_fp32_copy * 0.55
+    assert ours_fused < one_fp32_copy * 0.55
 
 
 def test_bf16_logprobs_are_computed_in_float32():
