@@ -1,6 +1,6 @@
 """Losses and post-processors of the training engine, looked up by name.
 
-Importing this package registers the built-in losses (importing their modules does): ``grpo`` (aliases
+Importing this package registers the built-in losses: ``grpo`` (aliases
 ``arctic_platform.rl.processors.grpo_loss`` and
 ``arctic_rl_core.processors.grpo_loss``), ``ppo``, ``importance_sampling`` and
 ``sft``. How the engine uses them, per fwd_bwd call:
