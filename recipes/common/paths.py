@@ -15,7 +15,7 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 def shared_data_dir(name: str) -> Path:
-    """The local directory of dataset ``name``: ``$ARCTIC_RL_DATA_DIR/<name>``, else ``<repo>/../shared/data/<name>``."""
+    """The local copy of dataset ``name``: ``$ARCTIC_RL_DATA_DIR/<name>``, else ``<repo>/../shared/data/<name>``."""
     root = os.environ.get(DATA_DIR_ENV)
     base = Path(root).expanduser() if root else REPO_ROOT.parent / "shared" / "data"
     return base / name

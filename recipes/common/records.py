@@ -63,7 +63,7 @@ def rl_row(
 
 
 def to_skyrl_row(row: Mapping[str, Any], env_class: str) -> dict[str, Any]:
-    """The same row in SkyRL's format: ``env_class`` names the environment, ``reward_spec`` replaces ``reward_model``."""
+    """The row in SkyRL's format: ``env_class`` names the environment, ``reward_spec`` replaces ``reward_model``."""
     reward = row["reward_model"]
     return {
         "data_source": row["data_source"],

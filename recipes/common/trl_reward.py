@@ -33,7 +33,9 @@ def completion_text(completion: str | Sequence[Mapping[str, str]]) -> str:
     return completion[-1]["content"]
 
 
-def trl_reward_func(compute_score: Callable[..., ScoreResult], name: str, **reward_kwargs: Any) -> Callable[..., list[float]]:
+def trl_reward_func(
+    compute_score: Callable[..., ScoreResult], name: str, **reward_kwargs: Any
+) -> Callable[..., list[float]]:
     """A TRL reward function named ``name`` that scores each completion with ``compute_score(**reward_kwargs)``.
 
     The other numbers a ``compute_score`` dict returns (accuracy, format, ...)

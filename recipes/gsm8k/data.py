@@ -29,7 +29,7 @@ Source = Literal["hub", "local"]
 
 
 def default_local_dir() -> Path:
-    """Where the local copy lives unless told otherwise: ``$ARCTIC_RL_DATA_DIR/gsm8k`` or ``<repo>/../shared/data/gsm8k``."""
+    """The local copy unless told otherwise: ``$ARCTIC_RL_DATA_DIR/gsm8k``, else ``<repo>/../shared/data/gsm8k``."""
     return shared_data_dir("gsm8k")
 
 
@@ -95,7 +95,9 @@ def prepare(
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True, help="directory to write <split>.parquet and <split>.jsonl into")
-    parser.add_argument("--source", choices=("hub", "local"), default="hub", help=f"hub: {DATA_SOURCE}; local: JSONL files")
+    parser.add_argument(
+        "--source", choices=("hub", "local"), default="hub", help=f"hub: {DATA_SOURCE}; local: JSONL files"
+    )
     parser.add_argument("--local-dir", help=f"local copy with train.jsonl/test.jsonl (default {default_local_dir()})")
     parser.add_argument("--splits", nargs="+", choices=SPLITS, default=list(SPLITS))
     parser.add_argument("--limit", type=int, help="keep only the first N problems of each split")

@@ -25,7 +25,9 @@ from pathlib import Path
 # within milliseconds, coarse enough to cost nothing measurable.
 _PROGRESS_INTERVAL = 1000
 
-_ALLOWED_ACTIONS = frozenset({sqlite3.SQLITE_SELECT, sqlite3.SQLITE_READ, sqlite3.SQLITE_FUNCTION, sqlite3.SQLITE_RECURSIVE})
+_ALLOWED_ACTIONS = frozenset(
+    {sqlite3.SQLITE_SELECT, sqlite3.SQLITE_READ, sqlite3.SQLITE_FUNCTION, sqlite3.SQLITE_RECURSIVE}
+)
 
 Row = tuple
 
@@ -83,7 +85,7 @@ class _Authorizer:
 def _open_readonly(
     db_path: str | Path, max_value_bytes: int = ExecutionLimits.max_value_bytes
 ) -> tuple[sqlite3.Connection, _Authorizer]:
-    """A connection to ``db_path`` that can only read, and its authorizer. FileNotFoundError if there is no such file."""
+    """A connection to ``db_path`` that can only read, and its authorizer; FileNotFoundError if there is no file."""
     path = Path(db_path).resolve()
     if not path.is_file():
         raise FileNotFoundError(f"SQLite database {str(path)!r} does not exist")

@@ -20,7 +20,7 @@ import argparse
 import json
 import random
 import sqlite3
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -186,7 +186,7 @@ def generate_corpus(
     dev_databases: int = 2,
     questions_per_database: int = 12,
 ) -> Path:
-    """Write a Spider-layout corpus under ``out_dir`` and return ``out_dir``; the same arguments give the same corpus."""
+    """Write a Spider-layout corpus under ``out_dir`` and return it; the same arguments give the same corpus."""
     for field, value in (("train_databases", train_databases), ("dev_databases", dev_databases),
                          ("questions_per_database", questions_per_database)):
         if value < 1:
@@ -206,14 +206,14 @@ def generate_corpus(
     return out_dir
 
 
-def main() -> None:
+def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--train-databases", type=int, default=6)
     parser.add_argument("--dev-databases", type=int, default=2)
     parser.add_argument("--questions-per-database", type=int, default=12)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     print(generate_corpus(args.out, args.seed, args.train_databases, args.dev_databases, args.questions_per_database))
 
 
