@@ -109,12 +109,13 @@ def load_records(
     """Raw records of ``split``: from ``file`` (JSON or JSONL) if given, else from the hub."""
     if file is not None:
         return read_json_records(file)
-    hub_id = hub_id or HUB.get(dataset, (None, None))[0]
+    default_id, default_config = HUB.get(dataset, (None, None))
+    hub_id = hub_id or default_id
     if hub_id is None:
         raise ValueError(f"{dataset} {split} split needs a local file (--{split}-file) or --hub-id")
     import datasets
 
-    config = hub_config if hub_config is not None else HUB.get(dataset, (None, None))[1]
+    config = hub_config if hub_config is not None else default_config
     return [dict(row) for row in datasets.load_dataset(hub_id, config, split=HUB_SPLITS[split])]
 
 

@@ -173,7 +173,8 @@ def generate(
     """``num_contexts`` contexts of ``questions_per_context`` questions each; the same arguments give the same data.
 
     ``context_tokens`` bounds each shared prefix (instruction and documents)
-    as ``tokenizer`` counts it.
+    as ``tokenizer`` counts it. A context too short for ``questions_per_context``
+    distinct questions (five per founder) gets all it has.
     """
     for field, value in (("num_contexts", num_contexts), ("questions_per_context", questions_per_context),
                          ("context_tokens", context_tokens)):

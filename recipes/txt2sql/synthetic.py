@@ -29,9 +29,8 @@ SPLIT_FILES = {"train": "train_spider.json", "dev": "dev.json"}
 
 @dataclass(frozen=True)
 class _Domain:
-    """A two-table world: groups (``group_table``) each holding items (``item_table``)."""
+    """A two-table world: groups (``group_table``) each holding items (``item_table``), and how to talk about it."""
 
-    name: str
     group_table: str
     group_noun: str
     group_names: tuple[str, ...]
@@ -56,7 +55,7 @@ _ADJECTIVES = ("Silent", "Hidden", "Golden", "Last", "Broken", "Northern", "Crim
                "Lost", "Winter", "Paper", "Iron", "Glass", "Hollow")
 _NOUNS = ("River", "Garden", "Harbor", "Orchard", "Tower", "Letter", "Island", "Forest", "Bridge", "Compass", "Lantern",
           "Mountain", "Station", "Archive", "Meadow", "Engine")
-CITIES = ("Oslo", "Lyon", "Porto", "Turin", "Ghent", "Malmo", "Krakow", "Bergen", "Graz", "Leeds")
+_CITIES = ("Oslo", "Lyon", "Porto", "Turin", "Ghent", "Malmo", "Krakow", "Bergen", "Graz", "Leeds")
 
 
 def _person(rng: random.Random) -> str:
@@ -67,16 +66,31 @@ def _title(rng: random.Random) -> str:
     return f"The {rng.choice(_ADJECTIVES)} {rng.choice(_NOUNS)}"
 
 
-DOMAINS = (
-    _Domain("company", "departments", "department", ("Sales", "Research", "Finance", "Legal", "Support", "Design"),
-            "employees", "employee", "employees", "salary", "salary", "with a salary above {}",
-            "from the highest salary to the lowest", (30_000, 150_000), "hire_year", "were hired", _person),
-    _Domain("publishing", "publishers", "publisher", ("Northwind", "Bluebird", "Harbor", "Quill", "Meridian", "Atlas"),
-            "books", "book", "books", "pages", "number of pages", "with more than {} pages",
-            "from the longest to the shortest", (80, 1_200), "published_year", "were published", _title),
-    _Domain("league", "teams", "team", ("Falcons", "Otters", "Comets", "Wolves", "Herons", "Tigers"),
-            "players", "player", "players", "goals", "number of goals", "who scored more than {} goals",
-            "from the most goals to the fewest", (0, 400), "joined_year", "joined their team", _person),
+_DOMAINS = (
+    _Domain(
+        group_table="departments", group_noun="department",
+        group_names=("Sales", "Research", "Finance", "Legal", "Support", "Design"),
+        item_table="employees", item_noun="employee", item_plural="employees",
+        amount="salary", amount_phrase="salary", above="with a salary above {}",
+        descending="from the highest salary to the lowest", amount_range=(30_000, 150_000),
+        year_column="hire_year", year_verb="were hired", item_names=_person,
+    ),
+    _Domain(
+        group_table="publishers", group_noun="publisher",
+        group_names=("Northwind", "Bluebird", "Harbor", "Quill", "Meridian", "Atlas"),
+        item_table="books", item_noun="book", item_plural="books",
+        amount="pages", amount_phrase="number of pages", above="with more than {} pages",
+        descending="from the longest to the shortest", amount_range=(80, 1_200),
+        year_column="published_year", year_verb="were published", item_names=_title,
+    ),
+    _Domain(
+        group_table="teams", group_noun="team",
+        group_names=("Falcons", "Otters", "Comets", "Wolves", "Herons", "Tigers"),
+        item_table="players", item_noun="player", item_plural="players",
+        amount="goals", amount_phrase="number of goals", above="who scored more than {} goals",
+        descending="from the most goals to the fewest", amount_range=(0, 400),
+        year_column="joined_year", year_verb="joined their team", item_names=_person,
+    ),
 )
 
 
@@ -90,7 +104,7 @@ class _Item:
 
 def _build_world(rng: random.Random, domain: _Domain) -> tuple[list[tuple[str, str]], list[_Item]]:
     """Groups (name, city) and items with unique names and unique amounts, so ordered answers have no ties."""
-    groups = [(name, rng.choice(CITIES)) for name in rng.sample(domain.group_names, rng.randint(3, 5))]
+    groups = [(name, rng.choice(_CITIES)) for name in rng.sample(domain.group_names, rng.randint(3, 5))]
     size = rng.randint(10, 18)
     names: set[str] = set()
     while len(names) < size:
@@ -164,7 +178,7 @@ def _candidate_questions(
 
 
 def _database_questions(rng: random.Random, db_id: str, database: Path, count: int) -> list[dict[str, str]]:
-    domain = rng.choice(DOMAINS)
+    domain = rng.choice(_DOMAINS)
     groups, items = _build_world(rng, domain)
     _write_database(database, domain, groups, items)
     questions: dict[str, str] = {}
@@ -186,7 +200,11 @@ def generate_corpus(
     dev_databases: int = 2,
     questions_per_database: int = 12,
 ) -> Path:
-    """Write a Spider-layout corpus under ``out_dir`` and return it; the same arguments give the same corpus."""
+    """Write a Spider-layout corpus under ``out_dir`` and return it; the same arguments give the same corpus.
+
+    Each database gets ``questions_per_database`` distinct questions, or all its
+    world offers when that is fewer (a few dozen).
+    """
     for field, value in (("train_databases", train_databases), ("dev_databases", dev_databases),
                          ("questions_per_database", questions_per_database)):
         if value < 1:
