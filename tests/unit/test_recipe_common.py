@@ -95,7 +95,7 @@ def test_trl_reward_func_scores_each_completion_from_the_dataset_columns_and_log
 
 @pytest.mark.slow
 def test_verl_reads_every_recipes_parquet_and_its_rows_score_with_the_recipes_reward(tmp_path):
-    """Slow (imports verl, trains the tiny tokenizer): verl's RLHFDataset loads both formats; its rows feed our reward."""
+    """Slow (imports verl, trains a tokenizer): verl's RLHFDataset loads both formats; its rows feed our reward."""
     from omegaconf import OmegaConf
     from verl.utils.dataset.rl_dataset import RLHFDataset
 
