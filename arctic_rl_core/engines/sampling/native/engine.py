@@ -1,0 +1,310 @@
+"""The native sampling engine: ``add_request`` / ``step`` for continuous batching, and the sampling protocol.
+
+``step()`` is the whole engine loop: ``scheduler.schedule()`` ->
+``model_runner.run(batch)`` -> append tokens and finish what stopped.
+
+Threads: ``add_request`` and ``abort_request`` may be called from any thread
+(they only queue work); everything else, ``step`` and ``generate`` included,
+must be called from one thread, the engine's. A worker serving concurrent
+callers adds each caller's request and lets one loop call ``step()`` while
+``has_unfinished()``, handing each finished ``RequestOutput`` to the caller
+that owns its ``request_id``. Requests added between steps join the running
+batch at the next step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import os
+import random
+import threading
+from collections import deque
+from dataclasses import dataclass
+from typing import Hashable, Iterable
+
+import torch
+
+from arctic_rl_core.engines.sampling.native.block_manager import BlockManager
+from arctic_rl_core.engines.sampling.native.config import EngineConfig
+from arctic_rl_core.engines.sampling.native.model_runner import ModelRunner
+from arctic_rl_core.engines.sampling.native.sampler import noise_key
+from arctic_rl_core.engines.sampling.native.scheduler import Scheduler
+from arctic_rl_core.engines.sampling.native.sequence import Sequence
+from arctic_rl_core.engines.sampling.native.weights import WeightLoader, iter_checkpoint
+from arctic_rl_core.engines.sampling.protocol import Completion, SamplingEngineOptions, SamplingParams
+
+SLEEP_TAGS = ("weights", "kv_cache")
+_SEED_MULTIPLIER = 0x9E3779B97F4A7C15  # odd 64-bit constant: distinct seeds for a request's n completions
+
+
+@dataclass
+class RequestOutput:
+    request_id: Hashable
+    completions: list[Completion]
+
+
+@dataclass
+class _Request:
+    request_id: Hashable
+    seqs: list[Sequence]
+
+
+class NativeEngine:
+    """A paged-KV, continuously batching sampler with prefix caching and Forest Cascade Attention."""
+
+    def __init__(self, model_path: str, options: SamplingEngineOptions):
+        config = EngineConfig.from_options(model_path, options)
+        self.tokenizer = _load_tokenizer(model_path)
+        if not config.eos_token_ids and self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            config = dataclasses.replace(config, eos_token_ids=frozenset({self.tokenizer.eos_token_id}))
+        self.config = config
+        self.eos_token_ids = config.eos_token_ids
+        self.runner = ModelRunner(config)
+        self.block_manager = BlockManager(self.runner.num_blocks, self.config.block_size,
+                                          self.config.enable_prefix_caching)  # fmt: skip
+        self.scheduler = Scheduler(self.config, self.block_manager)
+        self._rng = random.Random(self.config.seed)
+        self._inbox: deque[tuple[str, object]] = deque()
+        self._lock = threading.Lock()
+        self._requests: dict[Hashable, _Request] = {}
+        self._undelivered: list[RequestOutput] = []
+        self._auto_ids = itertools.count()
+        self._asleep: set[str] = set()
+
+    # ---- engine loop ----------------------------------------------------------------------------------------
+    def add_request(
+        self, prompt_token_ids: list[int], params: SamplingParams, request_id: Hashable | None = None
+    ) -> Hashable:
+        """Queue ``params.n`` completions of one prompt; returns the request id (generated when None)."""
+        self._check_prompt(prompt_token_ids)
+        if params.stop and self.tokenizer is None:
+            raise ValueError(f"stop={params.stop!r} needs a tokenizer, and {self.config.model_path!r} has none")
+        with self._lock:
+            if request_id is None:
+                request_id = f"native-{next(self._auto_ids)}"
+            if request_id in self._requests or any(r == request_id for op, r in self._inbox if op == "add"):
+                raise ValueError(f"request_id={request_id!r} is already in flight")
+            self._inbox.append(("add", (request_id, list(prompt_token_ids), params)))
+        return request_id
+
+    def abort_request(self, request_id: Hashable) -> None:
+        """Stop a request; its sequences free their blocks at the next step and nothing is returned for it."""
+        with self._lock:
+            self._inbox.append(("abort", request_id))
+
+    def has_unfinished(self) -> bool:
+        return bool(self._inbox or self._undelivered or self.scheduler.has_unfinished())
+
+    def step(self) -> list[RequestOutput]:
+        """Run one scheduled step; returns the requests that finished (and any finished during ``generate``)."""
+        outputs, self._undelivered = self._undelivered, []
+        return outputs + self._step()
+
+    def _step(self) -> list[RequestOutput]:
+        self._require_awake()
+        self._drain_inbox()
+        if not self.scheduler.has_unfinished():
+            return []
+        batch = self.scheduler.schedule()
+        tokens, logprobs = self.runner.run(batch)
+        finished = []
+        for seq, token, logprob in zip(batch.seqs, tokens, logprobs):
+            seq.append(token, logprob)
+            if self._stop(seq):
+                finished.append(seq.request_id)
+        outputs = []
+        for request_id in dict.fromkeys(finished):
+            request = self._requests[request_id]
+            if all(s.is_finished for s in request.seqs):
+                del self._requests[request_id]
+                outputs.append(RequestOutput(request_id, [self._completion(s) for s in request.seqs]))
+        return outputs
+
+    def _drain_inbox(self) -> None:
+        with self._lock:
+            work, self._inbox = list(self._inbox), deque()
+        for op, arg in work:
+            if op == "abort":
+                if self._requests.pop(arg, None) is not None:
+                    self.scheduler.abort(arg)
+                continue
+            request_id, prompt, params = arg
+            seqs = [
+                Sequence(request_id, i, prompt, params, noise_key(self._completion_seed(params, i)),
+                         self.config.block_size)  # fmt: skip
+                for i in range(params.n)
+            ]
+            self._requests[request_id] = _Request(request_id, seqs)
+            for seq in seqs:
+                self.scheduler.add(seq)
+
+    def _completion_seed(self, params: SamplingParams, index: int) -> int:
+        if params.seed is None:
+            return self._rng.getrandbits(64)
+        return ((params.seed & (2**64 - 1)) * _SEED_MULTIPLIER + index) & (2**64 - 1)
+
+    def _stop(self, seq: Sequence) -> bool:
+        """Finish ``seq`` if its newest token ends it; True when it did."""
+        p = seq.params
+        token = seq.last_token
+        if seq.num_completion_tokens >= p.min_tokens:
+            if not p.ignore_eos and token in self.eos_token_ids:
+                self.scheduler.finish(seq, "stop")
+                return True
+            if token in p.stop_token_ids:
+                self.scheduler.finish(seq, "stop", stop_reason=token)
+                return True
+            if p.stop:
+                hit = self._find_stop_string(seq)
+                if hit is not None:
+                    seq.text_end, stop = hit
+                    self.scheduler.finish(seq, "stop", stop_reason=stop)
+                    return True
+        if seq.num_completion_tokens >= p.max_tokens or seq.num_tokens >= self.config.max_model_len:
+            self.scheduler.finish(seq, "length")
+            return True
+        return False
+
+    def _find_stop_string(self, seq: Sequence) -> tuple[int, str] | None:
+        """The earliest stop string that the newest token completed, as (text position, string)."""
+        text = self._decode(seq.completion_token_ids)
+        previous = self._decode(seq.completion_token_ids[:-1])
+        # Only an occurrence that ends in the new text is new; one that ended earlier was seen (or ignored
+        # before min_tokens) then.
+        window_start = max(0, len(previous) - max(map(len, seq.params.stop)) + 1)
+        best = None
+        for stop in seq.params.stop:
+            at = text.find(stop, window_start)
+            if at != -1 and at + len(stop) > len(previous) and (best is None or at < best[0]):
+                best = (at, stop)
+        return best
+
+    def _decode(self, token_ids: list[int]) -> str:
+        if self.tokenizer is None:
+            return ""
+        return self.tokenizer.decode(token_ids, skip_special_tokens=True)
+
+    def _completion(self, seq: Sequence) -> Completion:
+        text = self._decode(seq.completion_token_ids)
+        if seq.text_end is not None:
+            text = text[: seq.text_end]
+        return Completion(
+            token_ids=seq.completion_token_ids,
+            text=text,
+            finish_reason=seq.finish_reason,
+            logprobs=list(seq.logprobs) if seq.params.logprobs else [],
+            stop_reason=seq.stop_reason,
+        )
+
+    def _check_prompt(self, prompt: list[int]) -> None:
+        if not prompt:
+            raise ValueError("prompt_token_ids is empty; expected at least one token")
+        if len(prompt) >= self.config.max_model_len:
+            raise ValueError(f"a prompt of {len(prompt)} tokens leaves no room to generate within "
+                             f"max_model_len={self.config.max_model_len}")  # fmt: skip
+        vocab = self.config.spec.vocab_size
+        bad = [t for t in prompt if not isinstance(t, int) or not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt_token_ids holds {bad[:4]}; expected ints in [0, {vocab})")
+
+    # ---- SamplingBackend ------------------------------------------------------------------------------------
+    def generate(self, prompt_token_ids: list[list[int]], params: SamplingParams) -> list[list[Completion]]:
+        """``params.n`` completions per prompt, in prompt order; runs the engine loop until they are done.
+
+        Other requests in flight advance too; their outputs are kept for the next ``step()``.
+        """
+        ids = [self.add_request(prompt, params) for prompt in prompt_token_ids]
+        pending = set(ids)
+        results: dict[Hashable, list[Completion]] = {}
+        while pending:
+            for out in self._step():
+                if out.request_id in pending:
+                    pending.discard(out.request_id)
+                    results[out.request_id] = out.completions
+                else:
+                    self._undelivered.append(out)
+        return [results[i] for i in ids]
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]] | str | os.PathLike) -> None:
+        """Copy HF-named tensors (any device: a CUDA-IPC bucket's views work) or a safetensors file/directory.
+
+        The prefix cache is reset: its KV was computed by the old weights.
+        """
+        if isinstance(weights, (str, os.PathLike)):
+            weights = iter_checkpoint(weights, torch.device("cpu"))
+        with torch.no_grad():
+            WeightLoader(self.runner.model).load(weights)
+        self.reset_prefix_cache()
+
+    def weight_norm(self) -> float:
+        total = torch.zeros((), dtype=torch.float64)
+        for p in self.runner.model.parameters():
+            total += torch.linalg.vector_norm(p, dtype=torch.float64).cpu() ** 2
+        return float(total.sqrt())
+
+    def reset_prefix_cache(self) -> None:
+        self.block_manager.reset_prefix_cache()
+
+    def prefix_cache_stats(self) -> dict:
+        """Prompt tokens looked up in the prefix cache since start, and how many were hits."""
+        return self.block_manager.stats.to_dict()
+
+    def sleep(self, level: int) -> dict:
+        """Level 1 frees the KV cache; level 2 also moves the weights off the GPU (to host memory)."""
+        if level not in (1, 2):
+            raise ValueError(f"sleep level={level!r}; expected 1 or 2")
+        if self.has_unfinished():
+            raise RuntimeError("sleep() with requests in flight; finish or abort them first")
+        freed = {}
+        if "kv_cache" not in self._asleep:
+            freed["kv_cache"] = self.runner.free_kv_cache()
+            self._asleep.add("kv_cache")
+        if level == 2 and "weights" not in self._asleep and self.config.device.type == "cuda":
+            freed["weights"] = self.runner.move_weights(torch.device("cpu"))
+            self._asleep.add("weights")
+        self.block_manager.reset_prefix_cache()
+        if self.config.device.type == "cuda":
+            torch.cuda.empty_cache()
+        return {"level": level, "freed_bytes": freed}
+
+    def wake(self, tags: list[str] | None = None) -> dict:
+        """Restore what ``sleep`` freed: ``tags`` among "weights" and "kv_cache" (None: both)."""
+        tags = list(SLEEP_TAGS) if tags is None else list(tags)
+        unknown = [t for t in tags if t not in SLEEP_TAGS]
+        if unknown:
+            raise ValueError(f"wake tags {unknown} are unknown; expected a subset of {list(SLEEP_TAGS)}")
+        restored = {}
+        if "weights" in tags and "weights" in self._asleep:
+            restored["weights"] = self.runner.move_weights(self.config.device)
+            self._asleep.discard("weights")
+        if "kv_cache" in tags and "kv_cache" in self._asleep:
+            self.runner.allocate_kv_cache()
+            restored["kv_cache"] = self.runner.kv_cache.numel() * self.runner.kv_cache.element_size()
+            self._asleep.discard("kv_cache")
+        if not self._asleep and self.config.use_cuda_graphs and not self.runner.graphs:
+            self.runner.capture_graphs()
+        return {"restored_bytes": restored}
+
+    def shutdown(self) -> None:
+        for request_id in list(self._requests):
+            self.scheduler.abort(request_id)
+        self._requests.clear()
+        self.runner.free_kv_cache()
+        self.runner.model = None
+        if self.config.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def _require_awake(self) -> None:
+        if self._asleep:
+            raise RuntimeError(f"the engine is asleep ({sorted(self._asleep)} freed); call wake() first")
+
+
+def _load_tokenizer(model_path: str):
+    """The model's tokenizer, or None when the checkpoint ships none (completions then carry ids only)."""
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(model_path)
+    except (OSError, ValueError):
+        return None

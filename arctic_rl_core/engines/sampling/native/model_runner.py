@@ -1,0 +1,333 @@
+"""Runs the model for a scheduled batch: inputs, the paged KV cache, CUDA graphs for decode, sampling.
+
+On CUDA a decode step is one host-to-device copy of a pinned staging buffer
+(token ids, positions, cache slots and the attention work plan), one graph
+replay (the whole model, logits included) and the sampler. Graphs are captured
+per padded batch size, twice when FCA is on: with and without the grouped
+prefix launch. On CPU everything runs eagerly and attention is the torch
+reference.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import torch
+
+from arctic_rl_core.engines.sampling.native.attention import AttentionMetadata
+from arctic_rl_core.engines.sampling.native.config import EngineConfig
+from arctic_rl_core.engines.sampling.native.model import CausalLM
+from arctic_rl_core.engines.sampling.native.sampler import Sampler, min_logits
+from arctic_rl_core.engines.sampling.native.scheduler import Batch
+from arctic_rl_core.engines.sampling.native.sequence import Sequence
+from arctic_rl_core.engines.sampling.native.weights import load_checkpoint
+from arctic_rl_core.zorro.attention.forest import PrefixForest
+from arctic_rl_core.zorro.attention.plan import ITEM_FIELDS, AttentionPlan, TileShape, plan_decode, plan_prefill
+
+
+def graph_batch_sizes(max_num_seqs: int) -> list[int]:
+    sizes = [b for b in (1, 2, 4, 8) if b < max_num_seqs] + list(range(16, max_num_seqs, 16))
+    return sizes + [max_num_seqs]
+
+
+class DecodeStaging:
+    """A decode step's int32 inputs: pinned host arrays filled in place, copied to the device in one transfer."""
+
+    def __init__(self, max_seqs: int, max_blocks: int, max_items: int, max_refs: int, max_rows: int, device):
+        sizes = {
+            "input_ids": max_seqs, "positions": max_seqs, "slots": max_seqs, "counts": 2,
+            "merge_offsets": max_seqs + 1, "wide_items": max_items * ITEM_FIELDS,
+            "narrow_items": max_items * ITEM_FIELDS, "query_index": max_refs, "merge_rows": max_rows,
+        }  # fmt: skip
+        total = sum(sizes.values())
+        self.host = torch.zeros(total, dtype=torch.int32, pin_memory=True)
+        self.dev = torch.zeros(total, dtype=torch.int32, device=device)
+        host_np = self.host.numpy()
+        self.h: dict[str, np.ndarray] = {}
+        self.d: dict[str, torch.Tensor] = {}
+        offset = 0
+        for name, size in sizes.items():
+            self.h[name] = host_np[offset : offset + size]
+            self.d[name] = self.dev[offset : offset + size]
+            offset += size
+        self.d["wide_items"] = self.d["wide_items"].view(max_items, ITEM_FIELDS)
+        self.d["narrow_items"] = self.d["narrow_items"].view(max_items, ITEM_FIELDS)
+        self.tables_host = torch.zeros(max_seqs, max_blocks, dtype=torch.int32, pin_memory=True)
+        self.tables_np = self.tables_host.numpy()
+        self.tables_dev = torch.zeros(max_seqs, max_blocks, dtype=torch.int32, device=device)
+        self._row_owner: list[tuple[int, int, int] | None] = [None] * max_seqs
+        self.max_items, self.max_refs, self.max_rows = max_items, max_refs, max_rows
+
+    def device_plan(self, num_queries: int):
+        from arctic_rl_core.zorro.attention.triton_attention import DevicePlan
+
+        d = self.d
+        return DevicePlan(d["wide_items"], d["narrow_items"], d["counts"], d["query_index"],
+                          d["merge_offsets"][: num_queries + 1], d["merge_rows"])  # fmt: skip
+
+    def fill(self, seqs: list[Sequence], plan: AttentionPlan, padded: int, block_size: int) -> None:
+        h = self.h
+        n = len(seqs)
+        lengths = [s.num_tokens for s in seqs]
+        h["input_ids"][:n] = [s.last_token for s in seqs]
+        h["positions"][:n] = [length - 1 for length in lengths]
+        h["slots"][:n] = [
+            s.block_table[(length - 1) // block_size] * block_size + (length - 1) % block_size
+            for s, length in zip(seqs, lengths)
+        ]
+        h["input_ids"][n:padded] = 0
+        h["positions"][n:padded] = 0
+        h["slots"][n:padded] = -1  # padding rows write no KV
+        h["counts"][:] = (len(plan.wide_items), len(plan.narrow_items))
+        h["merge_offsets"][: n + 1] = plan.merge_offsets
+        h["merge_offsets"][n + 1 : padded + 1] = plan.merge_offsets[-1]
+        h["wide_items"][: plan.wide_items.size] = plan.wide_items.ravel()
+        h["narrow_items"][: plan.narrow_items.size] = plan.narrow_items.ravel()
+        h["query_index"][: len(plan.query_index)] = plan.query_index
+        h["merge_rows"][: len(plan.merge_rows)] = plan.merge_rows
+        for i, seq in enumerate(seqs):
+            # Rows change only when a sequence moves or gains a block; rewrite just that.
+            owner = self._row_owner[i]
+            table = seq.block_table
+            if owner is None or owner[:2] != (seq.seq_id, seq.allocations):
+                self.tables_np[i, : len(table)] = table
+            elif owner[2] != len(table):
+                self.tables_np[i, owner[2] : len(table)] = table[owner[2] :]
+            self._row_owner[i] = (seq.seq_id, seq.allocations, len(table))
+        self.dev.copy_(self.host, non_blocking=True)
+        self.tables_dev[:n].copy_(self.tables_host[:n], non_blocking=True)
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        spec = config.spec
+        self.device = config.device
+        self.block_size = config.block_size
+        self.model = CausalLM(spec, config.hf_config, config.max_model_len, config.dtype, self.device)
+        load_checkpoint(self.model, config.model_path, self.device)
+        self.sampler = Sampler(config.eos_token_ids, self.device)
+        self.tiles = TileShape(group=spec.num_heads // spec.num_kv_heads)
+        self.kv_cache: torch.Tensor | None = None
+        self.graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}
+        self.graph_logits: dict[tuple[int, bool], torch.Tensor] = {}
+        self.graph_pool = None
+        self.staging: DecodeStaging | None = None
+        if self.device.type == "cuda":
+            sms = torch.cuda.get_device_properties(self.device).multi_processor_count
+            self.target_items = max(32, 4 * sms // spec.num_kv_heads)
+            max_seqs = config.max_num_seqs
+            max_items = 2 * max_seqs + 2 * self.target_items
+            max_rows = 4 * max_seqs + 4 * self.target_items
+            self.staging = DecodeStaging(max_seqs, config.max_blocks_per_seq, max_items, max_rows + max_seqs,
+                                         max_rows, self.device)  # fmt: skip
+            from arctic_rl_core.zorro.attention.triton_attention import Workspace
+
+            self.workspace = Workspace.allocate(max_rows, spec.num_heads, spec.head_dim, self.device)
+            self.num_blocks = self._profile_num_blocks()
+        else:
+            self.num_blocks = self._cpu_num_blocks()
+        self.allocate_kv_cache()
+        if config.use_cuda_graphs:
+            self.capture_graphs()
+
+    # ---- KV cache -------------------------------------------------------------------------------------------
+    @property
+    def block_bytes(self) -> int:
+        spec = self.config.spec
+        itemsize = torch.tensor([], dtype=self.config.dtype).element_size()
+        return 2 * spec.num_layers * self.block_size * spec.num_kv_heads * spec.head_dim * itemsize
+
+    def allocate_kv_cache(self) -> None:
+        spec = self.config.spec
+        self.kv_cache = torch.empty(
+            spec.num_layers, 2, self.num_blocks, self.block_size, spec.num_kv_heads, spec.head_dim,
+            dtype=self.config.dtype, device=self.device,
+        )  # fmt: skip
+
+    def free_kv_cache(self) -> int:
+        freed = self.kv_cache.numel() * self.kv_cache.element_size() if self.kv_cache is not None else 0
+        self.drop_graphs()
+        self.kv_cache = None
+        return freed
+
+    def _cpu_num_blocks(self) -> int:
+        """Room for every sequence at full length, within the memory share of this host's RAM."""
+        ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        weights = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        budget = int(ram * self.config.gpu_memory_utilization) - weights
+        wanted = self.config.max_num_seqs * self.config.max_blocks_per_seq
+        return self._check_blocks(min(wanted, budget // self.block_bytes))
+
+    def _profile_num_blocks(self) -> int:
+        """Blocks that fit in ``gpu_memory_utilization`` of the device after weights and a worst-case prefill."""
+        torch.cuda.synchronize(self.device)
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        self._warmup_prefill()
+        free, total = torch.cuda.mem_get_info(self.device)
+        stats = torch.cuda.memory_stats(self.device)
+        activations = stats["allocated_bytes.all.peak"] - stats["allocated_bytes.all.current"]
+        budget = total * self.config.gpu_memory_utilization - (total - free) - activations
+        return self._check_blocks(int(budget // self.block_bytes))
+
+    def _check_blocks(self, num_blocks: int) -> int:
+        if num_blocks < self.config.max_blocks_per_seq:
+            raise ValueError(f"gpu_memory_utilization={self.config.gpu_memory_utilization} leaves room for "
+                             f"{max(num_blocks, 0)} KV blocks; one sequence of max_model_len="
+                             f"{self.config.max_model_len} needs {self.config.max_blocks_per_seq}")  # fmt: skip
+        return num_blocks
+
+    def _warmup_prefill(self) -> None:
+        """A prefill of the largest step, into a one-block scratch cache (no KV is kept): peak memory, and compiles."""
+        config, spec = self.config, self.config.spec
+        length = config.max_model_len
+        full, rest = divmod(config.max_num_batched_tokens, length)
+        lengths = ([length] * full + ([rest] if rest else []))[: config.max_num_seqs]
+        tokens = sum(lengths)
+        dev = self.device
+        scratch = torch.zeros(spec.num_layers, 2, 1, self.block_size, spec.num_kv_heads, spec.head_dim,
+                              dtype=config.dtype, device=dev)  # fmt: skip
+        meta = self._prefill_metadata(
+            lengths, lengths,
+            slots=torch.full((tokens,), -1, dtype=torch.int64, device=dev),
+            positions=torch.cat([torch.arange(n, dtype=torch.int32, device=dev) for n in lengths]),
+            block_tables=torch.zeros(len(lengths), config.max_blocks_per_seq, dtype=torch.int32, device=dev),
+        )  # fmt: skip
+        hidden = self.model(torch.zeros(tokens, dtype=torch.int64, device=dev), meta.positions, scratch, meta)
+        self.model.compute_logits(hidden[torch.tensor(np.cumsum(lengths) - 1, device=dev)])
+        # The largest decode batch's top-p sort is the sampler's peak.
+        rows = config.max_num_seqs
+        min_logits(torch.zeros(rows, spec.vocab_size, device=dev), torch.ones(rows, device=dev),
+                   torch.zeros(rows, dtype=torch.int64, device=dev), torch.full((rows,), 0.9, device=dev))  # fmt: skip
+        torch.cuda.synchronize(dev)
+
+    # ---- weights --------------------------------------------------------------------------------------------
+    def move_weights(self, device: torch.device) -> int:
+        """Move every parameter to ``device`` (sleep level 2 and wake); returns the bytes moved."""
+        self.drop_graphs()
+        moved = 0
+        for p in self.model.parameters():
+            moved += p.numel() * p.element_size()
+            p.data = p.data.to(device)
+        return moved
+
+    # ---- steps ----------------------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def run(self, batch: Batch) -> tuple[list[int], list[float]]:
+        logits = self._prefill(batch.seqs) if batch.is_prefill else self._decode(batch.seqs, batch.forest)
+        return self.sampler(logits, batch.seqs)
+
+    def _prefill_metadata(self, query_lens, context_lens, slots, positions, block_tables) -> AttentionMetadata:
+        meta = AttentionMetadata(
+            is_prefill=True, slot_mapping=slots, positions=positions, block_tables=block_tables,
+            context_lens=context_lens, query_lens=query_lens,
+        )  # fmt: skip
+        if self.device.type == "cuda":
+            from arctic_rl_core.zorro.attention.triton_attention import DevicePlan
+
+            plan = plan_prefill(query_lens, context_lens, self.tiles)
+            meta.plan = DevicePlan.from_plan(plan, self.device)
+            meta.workspace, meta.tiles = self.workspace, self.tiles
+            meta.launches = (len(plan.wide_items) > 0, len(plan.narrow_items) > 0, False)
+        return meta
+
+    def _prefill(self, seqs: list[Sequence]) -> torch.Tensor:
+        bs = self.block_size
+        ids, positions, slots, query_lens, context_lens = [], [], [], [], []
+        for seq in seqs:
+            start, end = seq.num_cached_tokens, seq.num_tokens
+            table = seq.block_table
+            ids.extend(seq.token_ids[start:end])
+            positions.extend(range(start, end))
+            slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
+            query_lens.append(end - start)
+            context_lens.append(end)
+        width = max(len(s.block_table) for s in seqs)
+        tables = torch.tensor([s.block_table + [0] * (width - len(s.block_table)) for s in seqs], dtype=torch.int32)
+        dev = self.device
+        meta = self._prefill_metadata(
+            query_lens, context_lens,
+            slots=torch.tensor(slots, dtype=torch.int64).to(dev),
+            positions=torch.tensor(positions, dtype=torch.int32).to(dev),
+            block_tables=tables.to(dev),
+        )  # fmt: skip
+        last = torch.tensor(np.cumsum(query_lens) - 1, dtype=torch.int64).to(dev)
+        hidden = self.model(torch.tensor(ids, dtype=torch.int64).to(dev), meta.positions, self.kv_cache, meta)
+        return self.model.compute_logits(hidden[last])
+
+    def _decode(self, seqs: list[Sequence], forest: PrefixForest | None) -> torch.Tensor:
+        forest = forest or PrefixForest.unshared(len(seqs))
+        if self.device.type != "cuda":
+            return self._decode_cpu(seqs, forest)
+        lengths = [s.num_tokens for s in seqs]
+        staging = self.staging
+        plan = plan_decode(forest, lengths, self.tiles, self.target_items, staging.max_items, staging.max_rows)
+        n = len(seqs)
+        padded = next((b for b in self.graph_sizes if b >= n), n) if self.graphs else n
+        staging.fill(seqs, plan, padded, self.block_size)
+        key = (padded, len(plan.wide_items) > 0)
+        graph = self.graphs.get(key)
+        if graph is None:
+            return self._decode_eager(n, wide=key[1])
+        graph.replay()
+        return self.graph_logits[key][:n]
+
+    def _decode_metadata(self, n: int, wide: bool) -> AttentionMetadata:
+        d = self.staging.d
+        return AttentionMetadata(
+            is_prefill=False, slot_mapping=d["slots"][:n], positions=d["positions"][:n],
+            block_tables=self.staging.tables_dev[:n], plan=self.staging.device_plan(n), workspace=self.workspace,
+            tiles=self.tiles, launches=(wide, True, True),
+        )  # fmt: skip
+
+    def _decode_eager(self, n: int, wide: bool) -> torch.Tensor:
+        meta = self._decode_metadata(n, wide)
+        hidden = self.model(self.staging.d["input_ids"][:n], meta.positions, self.kv_cache, meta)
+        return self.model.compute_logits(hidden)
+
+    def _decode_cpu(self, seqs: list[Sequence], forest: PrefixForest) -> torch.Tensor:
+        bs = self.block_size
+        lengths = [s.num_tokens for s in seqs]
+        width = max(len(s.block_table) for s in seqs)
+        meta = AttentionMetadata(
+            is_prefill=False,
+            slot_mapping=torch.tensor([s.block_table[(n - 1) // bs] * bs + (n - 1) % bs for s, n in zip(seqs, lengths)]),
+            positions=torch.tensor([n - 1 for n in lengths]),
+            block_tables=torch.tensor([s.block_table + [0] * (width - len(s.block_table)) for s in seqs],
+                                      dtype=torch.int32),  # fmt: skip
+            context_lens=lengths,
+            forest=forest,
+        )
+        hidden = self.model(torch.tensor([s.last_token for s in seqs]), meta.positions, self.kv_cache, meta)
+        return self.model.compute_logits(hidden)
+
+    # ---- CUDA graphs ----------------------------------------------------------------------------------------
+    @property
+    def graph_sizes(self) -> list[int]:
+        return graph_batch_sizes(self.config.max_num_seqs)
+
+    @torch.inference_mode()
+    def capture_graphs(self) -> None:
+        """One graph per padded batch size (and per FCA launch set), largest first so they share one pool."""
+        self.drop_graphs()
+        self.staging.h["counts"][:] = 0
+        self.staging.h["merge_offsets"][:] = 0
+        self.staging.h["slots"][:] = -1
+        self.staging.dev.copy_(self.staging.host)
+        self.graph_pool = torch.cuda.graph_pool_handle()
+        variants = (False, True) if self.config.use_fca else (False,)
+        for n in reversed(self.graph_sizes):
+            for wide in variants:
+                self._decode_eager(n, wide)  # warm-up outside capture: compiles kernels, settles allocations
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=self.graph_pool):
+                    self.graph_logits[(n, wide)] = self._decode_eager(n, wide)
+                self.graphs[(n, wide)] = graph
+        torch.cuda.synchronize(self.device)
+
+    def drop_graphs(self) -> None:
+        self.graphs.clear()
+        self.graph_logits.clear()
+        self.graph_pool = None

@@ -1,0 +1,148 @@
+"""The model's fused operations: torch on CPU (and as the reference), Triton kernels on CUDA.
+
+Each function computes the same thing on either device; the torch versions
+round where Hugging Face's layers round, so CPU outputs match HF in float32.
+On CUDA the fused kernels cut a decode step's launches from about thirty per
+layer to about ten.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+MASK32 = 0xFFFFFFFF
+
+
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(norm(x + residual), x + residual)``; without ``residual``, ``(norm(x), x)``."""
+    if x.is_cuda:
+        from arctic_rl_core.engines.sampling.native import triton_ops
+
+        return triton_ops.rms_norm(x, weight, eps, residual)
+    if residual is not None:
+        x = x + residual
+    return _rms_norm_torch(x, weight, eps), x
+
+
+def _rms_norm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+def rotary_and_store(
+    qkv: torch.Tensor,
+    positions: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    q_norm: torch.Tensor | None,
+    k_norm: torch.Tensor | None,
+    eps: float,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slots: torch.Tensor,
+    num_heads: int,
+    num_kv_heads: int,
+) -> torch.Tensor:
+    """Split ``qkv``, apply the per-head norms (Qwen3) and rotary embedding, write k and v to their cache slots.
+
+    ``cos``/``sin`` are ``[max_positions, head_dim // 2]`` float32 tables.
+    Tokens with a negative slot (graph padding) are not written. Returns the
+    rotated queries ``[tokens, num_heads, head_dim]``.
+    """
+    if qkv.is_cuda:
+        from arctic_rl_core.engines.sampling.native import triton_ops
+
+        return triton_ops.rotary_and_store(
+            qkv, positions, cos, sin, q_norm, k_norm, eps, k_cache, v_cache, slots, num_heads, num_kv_heads
+        )
+    head_dim = k_cache.shape[-1]
+    tokens = qkv.shape[0]
+    q, k, v = qkv.split([num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=-1)
+    q = q.reshape(tokens, num_heads, head_dim)
+    k = k.reshape(tokens, num_kv_heads, head_dim)
+    v = v.reshape(tokens, num_kv_heads, head_dim)
+    if q_norm is not None:
+        q = _rms_norm_torch(q, q_norm, eps)
+        k = _rms_norm_torch(k, k_norm, eps)
+    c = cos[positions].to(qkv.dtype)[:, None, :]
+    s = sin[positions].to(qkv.dtype)[:, None, :]
+    q = _rotate(q, c, s)
+    k = _rotate(k, c, s)
+    write = slots >= 0
+    k_cache.flatten(0, 1).index_copy_(0, slots[write], k[write])
+    v_cache.flatten(0, 1).index_copy_(0, slots[write], v[write])
+    return q
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding in the half-split layout (HF's ``rotate_half``), same op order as HF."""
+    x1, x2 = x.chunk(2, dim=-1)
+    cos2 = torch.cat([cos, cos], dim=-1)
+    sin2 = torch.cat([sin, sin], dim=-1)
+    return (x * cos2) + (torch.cat([-x2, x1], dim=-1) * sin2)
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` for the fused ``[..., 2 * intermediate]`` projection."""
+    if gate_up.is_cuda:
+        from arctic_rl_core.engines.sampling.native import triton_ops
+
+        return triton_ops.silu_and_mul(gate_up)
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def mix32(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer hash (xorshift-multiply rounds) on int64 tensors holding values below 2**32.
+
+    Multipliers are below 2**31 so every product fits in int64 exactly; the
+    Triton sampler computes the same function in uint32.
+    """
+    x = x ^ (x >> 16)
+    x = (x * 0x7FEB352D) & MASK32
+    x = x ^ (x >> 15)
+    x = (x * 0x31848BAB) & MASK32
+    return x ^ (x >> 16)
+
+
+def gumbel_noise(row_keys: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Gumbel(0, 1) noise ``[rows, vocab]``, a pure function of each row's 32-bit key and the token index."""
+    index = torch.arange(vocab_size, device=row_keys.device, dtype=torch.int64)
+    bits = mix32((row_keys[:, None] + index[None, :] * 0x61C88647) & MASK32)
+    uniform = ((bits >> 8).float() + 0.5) * (1.0 / (1 << 24))
+    return -torch.log(-torch.log(uniform))
+
+
+def sample_tokens(
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    min_logit: torch.Tensor,
+    row_keys: torch.Tensor,
+    banned: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token per row and its log-prob under the raw logits.
+
+    Rows with temperature 0 take the argmax; others take the Gumbel-max of
+    ``logits / temperature`` (an exact sample of the softmax). Tokens whose raw
+    logit is below ``min_logit`` (top-k / top-p) or listed in ``banned`` (-1
+    pads) are never chosen.
+    """
+    if logits.is_cuda:
+        from arctic_rl_core.engines.sampling.native import triton_ops
+
+        return triton_ops.sample_tokens(logits, temperature, min_logit, row_keys, banned)
+    logits = logits.float()
+    lse = torch.logsumexp(logits, dim=-1)
+    allowed = logits >= min_logit[:, None]
+    rows, slots = (banned >= 0).nonzero(as_tuple=True)
+    allowed[rows, banned[rows, slots].long()] = False
+    greedy = temperature == 0
+    # Multiplying by the reciprocal, as the kernel does, keeps both devices' choices identical.
+    scaled = logits * torch.where(greedy, 1.0, 1.0 / temperature)[:, None]
+    scores = torch.where(greedy[:, None], scaled, scaled + gumbel_noise(row_keys, logits.shape[1]))
+    tokens = scores.masked_fill(~allowed, float("-inf")).argmax(dim=-1)
+    return tokens, logits.gather(1, tokens[:, None])[:, 0] - lse

@@ -1,0 +1,90 @@
+"""Next tokens for a batch of sequences, each with its own sampling parameters.
+
+Sampling is the Gumbel-max trick over ``logits / temperature`` with noise that
+is a pure function of the sequence's seed, its step and the token index, so a
+seeded completion is the same whatever else shares the batch. Top-k and top-p
+become one floor on the raw logits per row. Log-probs are those of the raw
+logits (before temperature, top-k and top-p): what the training engine computes
+at temperature 1.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from arctic_rl_core.engines.sampling.native import ops
+from arctic_rl_core.engines.sampling.native.sequence import Sequence
+
+MASK32 = 0xFFFFFFFF
+
+
+def _mix32(x: int) -> int:
+    """``ops.mix32`` on one Python int."""
+    x ^= x >> 16
+    x = (x * 0x7FEB352D) & MASK32
+    x ^= x >> 15
+    x = (x * 0x31848BAB) & MASK32
+    return x ^ (x >> 16)
+
+
+def noise_key(seed: int) -> int:
+    """A sequence's 32-bit noise key, from its 64-bit seed."""
+    return _mix32(_mix32(seed & MASK32) ^ ((seed >> 32) & MASK32))
+
+
+def row_key(key: int, step: int) -> int:
+    """The key of step ``step``'s noise row."""
+    return _mix32((key + step * 0x9E3779B9) & MASK32)
+
+
+def min_logits(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor):
+    """Per row, the smallest raw logit top-k then top-p (over ``softmax(logits / T)``) keep."""
+    vocab = logits.shape[1]
+    values = logits.float().sort(dim=-1, descending=True).values
+    ranks = torch.arange(vocab, device=logits.device)
+    k = torch.where(top_k > 0, top_k.clamp(max=vocab), vocab)
+    in_top_k = ranks[None, :] < k[:, None]
+    probs = torch.softmax(values.masked_fill(~in_top_k, float("-inf")) / temperature[:, None], dim=-1)
+    # A token is kept while the mass strictly before it is below top_p; the first always is.
+    keep = in_top_k & (probs.cumsum(dim=-1) - probs < top_p[:, None])
+    last = keep.sum(dim=-1).clamp_min(1) - 1
+    return values.gather(1, last[:, None])[:, 0]
+
+
+class Sampler:
+    def __init__(self, eos_token_ids: frozenset[int], device: torch.device):
+        self.eos_token_ids = sorted(eos_token_ids)
+        self.device = device
+
+    def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int], list[float]]:
+        rows = len(seqs)
+        params = [s.params for s in seqs]
+        temperature = torch.tensor([p.temperature for p in params], dtype=torch.float32)
+        keys = torch.tensor([row_key(s.noise_key, s.num_completion_tokens) for s in seqs], dtype=torch.int64)
+        banned_lists = [self._banned(s) for s in seqs]
+        width = max(map(len, banned_lists), default=0)
+        banned = torch.full((rows, width), -1, dtype=torch.int32)
+        for i, ids in enumerate(banned_lists):
+            banned[i, : len(ids)] = torch.tensor(ids, dtype=torch.int32)
+
+        device = self.device
+        temperature, keys, banned = (t.to(device, non_blocking=True) for t in (temperature, keys, banned))
+        floor = torch.full((rows,), float("-inf"), device=device)
+        filtered = [i for i, p in enumerate(params) if not p.greedy and (p.top_k_enabled or p.top_p < 1.0)]
+        if filtered:
+            index = torch.tensor(filtered, device=device)
+            top_k = torch.tensor([params[i].top_k for i in filtered], device=device)
+            top_p = torch.tensor([params[i].top_p for i in filtered], dtype=torch.float32, device=device)
+            floor[index] = min_logits(logits[index], temperature[index], top_k, top_p)
+        tokens, logprobs = ops.sample_tokens(logits, temperature, floor, keys, banned)
+        if device.type == "cuda":
+            out = torch.stack([tokens.double(), logprobs.double()]).cpu()
+            return out[0].long().tolist(), out[1].tolist()
+        return tokens.tolist(), logprobs.tolist()
+
+    def _banned(self, seq: Sequence) -> list[int]:
+        """Tokens that would end the sequence before ``min_tokens``."""
+        p = seq.params
+        if seq.num_completion_tokens >= p.min_tokens:
+            return []
+        return list(p.stop_token_ids) + ([] if p.ignore_eos else self.eos_token_ids)

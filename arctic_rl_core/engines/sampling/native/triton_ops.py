@@ -1,0 +1,180 @@
+"""Triton kernels of the model's fused operations (CUDA); ``ops`` holds their torch twins and dispatches here."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _rms_norm_kernel(
+    X, RES, W, OUT, RES_OUT, stride_x, stride_r, stride_o, stride_ro, n_cols, eps,
+    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    x = tl.load(X + row * stride_x + cols, mask=mask, other=0.0)
+    if HAS_RESIDUAL:
+        r = tl.load(RES + row * stride_r + cols, mask=mask, other=0.0)
+        x = (x.to(tl.float32) + r.to(tl.float32)).to(X.dtype.element_ty)
+    tl.store(RES_OUT + row * stride_ro + cols, x, mask=mask)
+    xf = x.to(tl.float32)
+    inv_rms = tl.rsqrt(tl.sum(xf * xf, axis=0) / n_cols + eps)
+    y = (xf * inv_rms).to(X.dtype.element_ty).to(tl.float32)
+    w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(OUT + row * stride_o + cols, (w * y).to(OUT.dtype.element_ty), mask=mask)
+
+
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    out = torch.empty_like(x)
+    # The residual stream is ours (the previous layer's output), so it is updated in place.
+    residual_out = residual if residual is not None else torch.empty_like(x)
+    res_in = residual if residual is not None else x
+    n_cols = x.shape[-1]
+    _rms_norm_kernel[(x.shape[0],)](
+        x, res_in, weight, out, residual_out, x.stride(0), res_in.stride(0), out.stride(0), residual_out.stride(0),
+        n_cols, eps, HAS_RESIDUAL=residual is not None, BLOCK=triton.next_power_of_2(n_cols), num_warps=4,
+    )  # fmt: skip
+    return out, residual_out
+
+
+@triton.jit
+def _norm_rope(x1, x2, W, cos, sin, eps, half, HAS_NORM: tl.constexpr, HEAD_DIM: tl.constexpr, DTYPE: tl.constexpr):
+    """One head: optional RMS norm over head_dim (Qwen3), then the half-split rotary embedding."""
+    if HAS_NORM:
+        inv_rms = tl.rsqrt((tl.sum(x1 * x1, axis=0) + tl.sum(x2 * x2, axis=0)) / HEAD_DIM + eps)
+        w1 = tl.load(W + half).to(tl.float32)
+        w2 = tl.load(W + HEAD_DIM // 2 + half).to(tl.float32)
+        x1 = (w1 * (x1 * inv_rms).to(DTYPE).to(tl.float32)).to(DTYPE).to(tl.float32)
+        x2 = (w2 * (x2 * inv_rms).to(DTYPE).to(tl.float32)).to(DTYPE).to(tl.float32)
+    return x1 * cos - x2 * sin, x2 * cos + x1 * sin
+
+
+@triton.jit
+def _rotary_store_kernel(
+    QKV, POS, COS, SIN, Q_NORM, K_NORM, Q_OUT, K_CACHE, V_CACHE, SLOTS,
+    stride_qkv, stride_qt, stride_qh, stride_cos, stride_ks, stride_kh, eps,
+    NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HAS_NORM: tl.constexpr,
+):  # fmt: skip
+    token = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    half = tl.arange(0, HEAD_DIM // 2)
+    dtype = Q_OUT.dtype.element_ty
+    pos = tl.load(POS + token).to(tl.int64)
+    cos = tl.load(COS + pos * stride_cos + half)
+    sin = tl.load(SIN + pos * stride_cos + half)
+    src = QKV + token * stride_qkv + head * HEAD_DIM
+    x1 = tl.load(src + half).to(tl.float32)
+    x2 = tl.load(src + HEAD_DIM // 2 + half).to(tl.float32)
+    if head < NUM_HEADS:
+        y1, y2 = _norm_rope(x1, x2, Q_NORM, cos, sin, eps, half, HAS_NORM, HEAD_DIM, dtype)
+        dst = Q_OUT + token * stride_qt + head * stride_qh
+        tl.store(dst + half, y1.to(dtype))
+        tl.store(dst + HEAD_DIM // 2 + half, y2.to(dtype))
+    else:
+        slot = tl.load(SLOTS + token).to(tl.int64)
+        if slot >= 0:
+            kv_head = head - NUM_HEADS
+            y1, y2 = _norm_rope(x1, x2, K_NORM, cos, sin, eps, half, HAS_NORM, HEAD_DIM, dtype)
+            dst = K_CACHE + slot * stride_ks + kv_head * stride_kh
+            tl.store(dst + half, y1.to(dtype))
+            tl.store(dst + HEAD_DIM // 2 + half, y2.to(dtype))
+            v_src = src + NUM_KV_HEADS * HEAD_DIM
+            v_dst = V_CACHE + slot * stride_ks + kv_head * stride_kh
+            tl.store(v_dst + half, tl.load(v_src + half))
+            tl.store(v_dst + HEAD_DIM // 2 + half, tl.load(v_src + HEAD_DIM // 2 + half))
+
+
+def rotary_and_store(qkv, positions, cos, sin, q_norm, k_norm, eps, k_cache, v_cache, slots, num_heads, num_kv_heads):
+    tokens = qkv.shape[0]
+    head_dim = k_cache.shape[-1]
+    q = torch.empty(tokens, num_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
+    has_norm = q_norm is not None
+    _rotary_store_kernel[(tokens, num_heads + num_kv_heads)](
+        qkv, positions, cos, sin, q_norm if has_norm else qkv, k_norm if has_norm else qkv, q, k_cache, v_cache, slots,
+        qkv.stride(0), q.stride(0), q.stride(1), cos.stride(0), k_cache.stride(1), k_cache.stride(2), eps,
+        NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, HAS_NORM=has_norm, num_warps=1,
+    )  # fmt: skip
+    return q
+
+
+@triton.jit
+def _silu_mul_kernel(GATE_UP, OUT, stride_g, stride_o, n_cols, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    gate = tl.load(GATE_UP + row * stride_g + cols, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(GATE_UP + row * stride_g + n_cols + cols, mask=mask, other=0.0).to(tl.float32)
+    act = (gate / (1.0 + tl.exp(-gate))).to(OUT.dtype.element_ty).to(tl.float32)
+    tl.store(OUT + row * stride_o + cols, (act * up).to(OUT.dtype.element_ty), mask=mask)
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    n_cols = gate_up.shape[-1] // 2
+    out = torch.empty(gate_up.shape[0], n_cols, dtype=gate_up.dtype, device=gate_up.device)
+    block = 1024
+    _silu_mul_kernel[(gate_up.shape[0], triton.cdiv(n_cols, block))](
+        gate_up, out, gate_up.stride(0), out.stride(0), n_cols, BLOCK=block, num_warps=4
+    )
+    return out
+
+
+@triton.jit
+def _sample_kernel(
+    LOGITS, TEMPERATURE, MIN_LOGIT, ROW_KEYS, BANNED, TOKENS, LOGPROBS, stride_l, stride_b, vocab,
+    NUM_BANNED: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    row = tl.program_id(0).to(tl.int64)
+    temperature = tl.load(TEMPERATURE + row)
+    greedy = temperature == 0.0
+    inv_t = tl.where(greedy, 1.0, 1.0 / tl.where(greedy, 1.0, temperature))
+    noise_scale = tl.where(greedy, 0.0, 1.0)
+    floor = tl.load(MIN_LOGIT + row)
+    key = tl.load(ROW_KEYS + row).to(tl.uint32)
+    run_max = float("-inf")
+    run_sum = 0.0
+    best = float("-inf")
+    best_index = 0
+    for v0 in range(0, vocab, BLOCK):
+        index = v0 + tl.arange(0, BLOCK)
+        valid = index < vocab
+        x = tl.load(LOGITS + row * stride_l + index, mask=valid, other=float("-inf")).to(tl.float32)
+        new_max = tl.maximum(run_max, tl.max(x, axis=0))
+        run_sum = run_sum * tl.exp(run_max - new_max) + tl.sum(tl.exp(x - new_max), axis=0)
+        run_max = new_max
+        # Same hash as ops.gumbel_noise, in native uint32 arithmetic.
+        h = key + index.to(tl.uint32) * 0x61C88647
+        h = h ^ (h >> 16)
+        h = h * 0x7FEB352D
+        h = h ^ (h >> 15)
+        h = h * 0x31848BAB
+        h = h ^ (h >> 16)
+        uniform = ((h >> 8).to(tl.float32) + 0.5) * (1.0 / 16777216.0)
+        gumbel = -tl.log(-tl.log(uniform))
+        allowed = valid & (x >= floor)
+        for j in tl.static_range(NUM_BANNED):
+            allowed = allowed & (index != tl.load(BANNED + row * stride_b + j))
+        score = tl.where(allowed, x * inv_t + gumbel * noise_scale, float("-inf"))
+        chunk_best = tl.max(score, axis=0)
+        chunk_index = v0 + tl.argmax(score, axis=0)
+        take = chunk_best > best
+        best_index = tl.where(take, chunk_index, best_index)
+        best = tl.where(take, chunk_best, best)
+    chosen = tl.load(LOGITS + row * stride_l + best_index).to(tl.float32)
+    tl.store(TOKENS + row, best_index.to(tl.int64))
+    tl.store(LOGPROBS + row, chosen - run_max - tl.log(run_sum))
+
+
+def sample_tokens(logits, temperature, min_logit, row_keys, banned):
+    rows, vocab = logits.shape
+    tokens = torch.empty(rows, dtype=torch.int64, device=logits.device)
+    logprobs = torch.empty(rows, dtype=torch.float32, device=logits.device)
+    _sample_kernel[(rows,)](
+        logits, temperature, min_logit, row_keys, banned, tokens, logprobs, logits.stride(0), banned.stride(0), vocab,
+        NUM_BANNED=banned.shape[1], BLOCK=2048, num_warps=8,
+    )  # fmt: skip
+    return tokens, logprobs
