@@ -1,0 +1,244 @@
+"""``VLLMBackend``: the sampling protocol over one ``vllm.LLM`` engine.
+
+What it relies on in vLLM (0.31), all public methods of ``vllm.LLM``:
+``generate`` with token-id prompts, ``reset_prefix_cache``, ``sleep`` /
+``wake_up``, and ``collective_rpc`` with the worker method ``reload_weights``
+(vLLM's in-place reload for RL: it re-runs each layer's post-load processing,
+which the CPU backend needs because it packs linear weights for its GEMM
+kernels) and with the functions of ``worker_ops``.
+"""
+
+from __future__ import annotations
+
+import gc
+import math
+from dataclasses import dataclass
+from typing import Iterable
+
+import torch
+
+from arctic_rl_core.engines.sampling.protocol import Completion, SamplingEngineOptions, SamplingParams
+from arctic_rl_core.engines.sampling.vllm import worker_ops
+from arctic_rl_core.engines.sampling.vllm.engine_args import check_platform, prepare_vllm_process, vllm_engine_kwargs
+
+SLEEP_NEEDS_CUDA = "vLLM sleep mode needs CUDA; on CPU the engine keeps its weights and KV cache"
+
+
+@dataclass
+class PromptLogProbs:
+    """How likely the model finds a token sequence: entry i scores ``token_ids[i]`` given every token before it."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    # The ``top_k`` most likely tokens at each scored position, best first, as (token id, log-prob).
+    top_logprobs: list[list[tuple[int, float]]]
+
+
+class VLLMBackend:
+    """One vLLM engine: one sampling replica, its tensor-parallel ranks inside it.
+
+    Log-probs are vLLM's ``raw_logprobs``: log-softmax of the model's logits
+    before temperature, top-p and top-k, as ``Completion.logprobs`` defines.
+    """
+
+    def __init__(self, model_path: str, options: SamplingEngineOptions) -> None:
+        prepare_vllm_process(options.device)
+        check_platform(options.device)
+        from vllm import LLM
+
+        self.options = options
+        self.llm = LLM(model=str(model_path), **vllm_engine_kwargs(options))
+        # Which vLLM module each HF tensor name lands in (several for fused q/k/v and gate/up).
+        self._hf_names_by_module: dict[str, list[str]] = {}
+        for worker_modules in self.llm.collective_rpc(worker_ops.hf_names_by_module):
+            self._hf_names_by_module.update(worker_modules)
+        self._module_of = {name: module for module, names in self._hf_names_by_module.items() for name in names}
+        # Set when weights are not usable: discarded by sleep(level=2) or half-written by a failed load.
+        self._weights_unusable: str | None = None
+        self._asleep = False
+
+    @property
+    def tokenizer(self):
+        return self.llm.get_tokenizer()
+
+    def generate(self, prompt_token_ids: list[list[int]], params: SamplingParams) -> list[list[Completion]]:
+        """``params.n`` completions for each prompt, in prompt order, with the log-prob of every sampled token."""
+        self._check_ready()
+        _check_prompts(prompt_token_ids)
+        if not prompt_token_ids:
+            return []
+        from vllm import SamplingParams as VLLMSamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        vllm_params = VLLMSamplingParams(
+            n=params.n,
+            max_tokens=params.max_tokens,
+            min_tokens=params.min_tokens,
+            temperature=params.temperature,
+            top_p=params.top_p,
+            top_k=params.top_k if params.top_k_enabled else 0,
+            stop=list(params.stop) or None,
+            stop_token_ids=list(params.stop_token_ids) or None,
+            ignore_eos=params.ignore_eos,
+            seed=params.seed,
+            # 0: the sampled token's own log-prob and no alternatives.
+            logprobs=0 if params.logprobs else None,
+            include_stop_str_in_output=False,
+            output_kind=RequestOutputKind.FINAL_ONLY,
+        )
+        outputs = self.llm.generate(
+            [{"prompt_token_ids": list(ids)} for ids in prompt_token_ids], vllm_params, use_tqdm=False
+        )
+        return [[_completion(c, params.logprobs) for c in sorted(o.outputs, key=lambda c: c.index)] for o in outputs]
+
+    def prompt_logprobs(self, token_ids: list[list[int]], top_k: int) -> list[PromptLogProbs]:
+        """Score each sequence's own tokens (all but the first) in one prefill, with ``top_k`` alternatives."""
+        self._check_ready()
+        _check_prompts(token_ids)
+        max_logprobs = self.llm.llm_engine.model_config.max_logprobs
+        if not 0 <= top_k <= max_logprobs:
+            raise ValueError(f"top_k must be in [0, {max_logprobs}] (vllm_config.max_logprobs), got {top_k}")
+        if not token_ids:
+            return []
+        from vllm import SamplingParams as VLLMSamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        # One greedy token is the least vLLM generates; the prompt log-probs are the output.
+        vllm_params = VLLMSamplingParams(
+            max_tokens=1,
+            temperature=0.0,
+            prompt_logprobs=top_k,
+            detokenize=False,
+            output_kind=RequestOutputKind.FINAL_ONLY,
+        )
+        outputs = self.llm.generate([{"prompt_token_ids": list(ids)} for ids in token_ids], vllm_params, use_tqdm=False)
+        return [_prompt_logprobs(list(ids), o.prompt_logprobs, top_k) for ids, o in zip(token_ids, outputs)]
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Replace parameters by HF name, then reset the prefix cache (its KV came from the old weights).
+
+        vLLM fuses q/k/v and gate/up projections; a load touching one part of
+        a fused module must carry all of them, since the module is rebuilt
+        from what the load brings.
+        """
+        weights = list(weights)
+        self._check_whole_modules([name for name, _ in weights])
+        self._weights_unusable = "the last load_weights failed part way; load the full set of weights again"
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
+        self._weights_unusable = None
+        self.reset_prefix_cache()
+
+    def weight_norm(self) -> float:
+        """L2 norm of the weights decoding uses, in float64, comparable with the HF model's."""
+        self._check_ready()
+        return math.sqrt(sum(self.llm.collective_rpc(worker_ops.sum_of_squares)))
+
+    def reset_prefix_cache(self) -> None:
+        if not self.llm.reset_prefix_cache():
+            raise RuntimeError("vLLM did not reset its prefix cache: requests were still running")
+
+    def sleep(self, level: int) -> dict:
+        """Free device memory through vLLM sleep mode (CUDA only).
+
+        vLLM's level 1 discards the KV cache and offloads weights to CPU
+        memory; level 2 discards both, so ``load_weights`` must follow the
+        wake-up. Both clear the prefix cache.
+        """
+        if level not in (1, 2):
+            raise ValueError(f"sleep level must be 1 (free KV cache, offload weights) or 2 (free both), got {level}")
+        if not self._sleep_supported:
+            return {"slept": False, "reason": SLEEP_NEEDS_CUDA}
+        free_before = torch.cuda.mem_get_info()[0]
+        self.llm.sleep(level=level)
+        self._asleep = True
+        if level == 2:
+            self._weights_unusable = "sleep(level=2) discarded the weights; load_weights after wake"
+        return {
+            "slept": True,
+            "level": level,
+            "kv_cache": "discarded",
+            "weights": "offloaded to CPU" if level == 1 else "discarded",
+            "freed_bytes": torch.cuda.mem_get_info()[0] - free_before,
+        }
+
+    def wake(self, tags: list[str] | None = None) -> dict:
+        """Restore what ``sleep`` freed; ``tags`` ("weights", "kv_cache") limits it, e.g. weights first for a sync."""
+        allowed = {"weights", "kv_cache"}
+        if tags is not None and not set(tags) <= allowed:
+            raise ValueError(f"wake tags must be a subset of {sorted(allowed)}, got {tags}")
+        if not self._sleep_supported:
+            return {"woke": False, "reason": SLEEP_NEEDS_CUDA}
+        self.llm.wake_up(tags=tags)
+        self._asleep = bool(self.llm.llm_engine.is_sleeping())
+        return {"woke": True, "tags": sorted(tags) if tags is not None else sorted(allowed), "asleep": self._asleep}
+
+    def shutdown(self) -> None:
+        """Stop the engine and release its memory (the KV cache is the bulk of it)."""
+        llm = self.__dict__.pop("llm", None)
+        if llm is None:
+            return
+        llm.llm_engine.engine_core.shutdown()
+        del llm
+        gc.collect()
+        from vllm.distributed.parallel_state import destroy_distributed_environment, destroy_model_parallel
+
+        # The in-process worker joined a process group of its own; a later engine in this process makes a new one.
+        destroy_model_parallel()
+        destroy_distributed_environment()
+
+    @property
+    def _sleep_supported(self) -> bool:
+        from vllm.platforms import current_platform
+
+        return current_platform.is_sleep_mode_available() and self.llm.llm_engine.model_config.enable_sleep_mode
+
+    def _check_ready(self) -> None:
+        if not hasattr(self, "llm"):
+            raise RuntimeError("the vLLM engine was shut down")
+        if self._asleep:
+            raise RuntimeError("the vLLM engine is asleep; wake it first")
+        if self._weights_unusable:
+            raise RuntimeError(f"the vLLM engine has no usable weights: {self._weights_unusable}")
+
+    def _check_whole_modules(self, names: list[str]) -> None:
+        given = set(names)
+        for module in sorted({self._module_of[name] for name in given if name in self._module_of}):
+            parts = self._hf_names_by_module[module]
+            missing = [name for name in parts if name not in given]
+            if missing:
+                raise ValueError(
+                    f"load_weights: vLLM builds {module} from {parts} together; the weights miss {missing}. "
+                    "Send every part of a fused module in the same load."
+                )
+
+
+def _check_prompts(prompt_token_ids: list[list[int]]) -> None:
+    for i, ids in enumerate(prompt_token_ids):
+        if len(ids) == 0:
+            raise ValueError(f"prompt_token_ids[{i}] is empty; every prompt needs at least one token")
+
+
+def _completion(output, with_logprobs: bool) -> Completion:
+    if output.finish_reason not in ("stop", "length", "abort"):
+        raise RuntimeError(f"vLLM finished a completion with an unknown reason {output.finish_reason!r}")
+    token_ids = list(output.token_ids)
+    logprobs = [step[token].logprob for token, step in zip(token_ids, output.logprobs)] if with_logprobs else []
+    return Completion(
+        token_ids=token_ids,
+        text=output.text,
+        finish_reason=output.finish_reason,
+        logprobs=logprobs,
+        stop_reason=output.stop_reason,
+    )
+
+
+def _prompt_logprobs(token_ids: list[int], positions, top_k: int) -> PromptLogProbs:
+    # vLLM gives one dict per prompt position (None for the first): the
+    # position's own token plus the top_k best, each with its rank.
+    scored = token_ids[1:]
+    logprobs, top = [], []
+    for token, candidates in zip(scored, positions[1:]):
+        logprobs.append(candidates[token].logprob)
+        best = sorted((c.rank, token_id, c.logprob) for token_id, c in candidates.items() if c.rank <= top_k)
+        top.append([(token_id, logprob) for _, token_id, logprob in best[:top_k]])
+    return PromptLogProbs(token_ids=scored, logprobs=logprobs, top_logprobs=top)
