@@ -1,0 +1,1 @@
+"""Log-prob / reference engines (log_prob_engine="vllm" or "deepspeed")."""

@@ -1,0 +1,109 @@
+"""What the vLLM backend adds to the shared contract: fused-module loads, failed loads, its prefix cache, CPU sleep."""
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from arctic_rl_core.engines.sampling.protocol import SamplingEngineOptions, SamplingParams
+from arctic_rl_core.models.tiny import TinySpec, build_tiny_model
+
+pytestmark = pytest.mark.vllm
+pytest.importorskip("vllm")
+
+PROMPT = list(range(40, 140))
+GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def model_path(tmp_path_factory):
+    return build_tiny_model(tmp_path_factory.mktemp("tiny-qwen2"), TinySpec(family="qwen2"))
+
+
+@pytest.fixture(scope="module")
+def backend(model_path):
+    from arctic_rl_core.engines.sampling.vllm import VLLMBackend
+
+    options = SamplingEngineOptions(
+        device="cpu", max_model_len=512, block_size=32, extra={"kv_cache_memory_bytes": 128 << 20}
+    )
+    engine = VLLMBackend(str(model_path), options)
+    yield engine
+    engine.shutdown()
+
+
+@pytest.fixture()
+def hf_model(model_path):
+    return AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
+
+
+def matches_hf(backend, hf_model) -> bool:
+    """Greedy log-probs of the engine equal a plain HF forward on the same tokens."""
+    completion = backend.generate([PROMPT], GREEDY)[0][0]
+    ids = torch.tensor([PROMPT + completion.token_ids])
+    with torch.no_grad():
+        logprobs = torch.log_softmax(hf_model(ids).logits[0], dim=-1)
+    want = [logprobs[len(PROMPT) - 1 + i, t].item() for i, t in enumerate(completion.token_ids)]
+    return max(abs(g - w) for g, w in zip(completion.logprobs, want)) <= 1e-4
+
+
+def scaled(hf_model, names: list[str], factor: float) -> list[tuple[str, torch.Tensor]]:
+    with torch.no_grad():
+        for name in names:
+            hf_model.get_parameter(name).mul_(factor)
+    return [(name, hf_model.get_parameter(name).detach().clone()) for name in names]
+
+
+def test_vllm_reuses_cached_prompt_blocks_until_a_load_resets_them(backend, hf_model):
+    backend.load_weights(hf_model.named_parameters())
+    cached = lambda: backend.llm.generate([{"prompt_token_ids": PROMPT}], use_tqdm=False)[0].num_cached_tokens  # noqa: E731
+
+    cached()
+    assert cached() > 0
+    backend.load_weights(hf_model.named_parameters())
+    assert cached() == 0
+
+
+def test_a_load_may_replace_whole_modules_only(backend, hf_model):
+    qkv = [f"model.layers.0.self_attn.{p}_proj.{k}" for p in "qkv" for k in ("weight", "bias")]
+    backend.load_weights(scaled(hf_model, ["model.layers.1.mlp.down_proj.weight", *qkv], 1.3))
+
+    assert matches_hf(backend, hf_model)
+
+
+def test_a_load_touching_part_of_a_fused_module_is_rejected_before_reaching_vllm(backend, hf_model):
+    backend.load_weights(hf_model.named_parameters())
+    part = scaled(hf_model, ["model.layers.0.self_attn.q_proj.bias"], 2.0)
+
+    with pytest.raises(ValueError, match="k_proj.bias"):
+        backend.load_weights(part)
+    hf_model.get_parameter("model.layers.0.self_attn.q_proj.bias").data.div_(2.0)
+    assert matches_hf(backend, hf_model)
+
+
+def test_a_failed_load_blocks_generation_until_a_full_load(backend, hf_model):
+    with pytest.raises(ValueError, match="not_a_weight"):
+        backend.load_weights([("model.layers.0.not_a_weight", torch.zeros(4))])
+    with pytest.raises(RuntimeError, match="no usable weights"):
+        backend.generate([PROMPT], GREEDY)
+
+    backend.load_weights(hf_model.named_parameters())
+    assert matches_hf(backend, hf_model)
+
+
+def test_sleep_on_cpu_answers_that_vllm_sleep_mode_needs_cuda(backend):
+    before = backend.generate([PROMPT], GREEDY)[0][0].token_ids
+
+    for level in (1, 2):
+        answer = backend.sleep(level)
+        assert answer["slept"] is False and "needs CUDA" in answer["reason"]
+    assert backend.wake(None)["woke"] is False
+    assert backend.generate([PROMPT], GREEDY)[0][0].token_ids == before
+    with pytest.raises(ValueError, match="sleep level"):
+        backend.sleep(3)
+    with pytest.raises(ValueError, match="wake tags"):
+        backend.wake(["everything"])
+
+
+def test_an_empty_prompt_is_rejected_by_index(backend):
+    with pytest.raises(ValueError, match=r"prompt_token_ids\[1\]"):
+        backend.generate([PROMPT, []], GREEDY)
