@@ -1,0 +1,89 @@
+"""ZoRRo Train's forward: the selected hidden states of a batch, each shared prefix computed once.
+
+A drop-in for ``arctic_rl_core.models.forward.selected_hidden_states``: the same
+rows, in the same order, with the same gradients. The batch's prefix forest is
+packed into one sequence and run through the model's own decoder body (its
+normal ``forward``, so DeepSpeed ZeRO-3 gathering and gradient checkpointing
+work as usual) with positions equal to the unpacked ones and attention
+restricted to each token's own ancestors.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Literal
+
+import torch
+from torch import nn
+
+from arctic_rl_core.models.forward import decoder_body
+from arctic_rl_core.models.forward import selected_hidden_states as plain_selected_hidden_states
+from arctic_rl_core.zorro.train.attention import (
+    FOREST_ATTENTION_KWARG,
+    ForestAttention,
+    enable_forest_attention,
+    pad_for_kernel,
+)
+from arctic_rl_core.zorro.train.forest import PrefixForest, build_prefix_forest
+
+logger = logging.getLogger(__name__)
+
+KERNEL_CHOICES = ("auto", "flex", "dense")
+
+
+def selected_hidden_states(
+    model: nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    select: torch.Tensor,
+    *,
+    min_shared_tokens: int = 16,
+    forest: PrefixForest | None = None,
+    kernel: Literal["auto", "flex", "dense"] = "auto",
+) -> torch.Tensor:
+    """Final hidden states at ``select`` (a [B, T] bool mask), as [N, H] rows in row-major order.
+
+    Batches that share fewer than ``min_shared_tokens`` tokens run the plain
+    padded forward. Pass ``forest`` (from ``build_prefix_forest`` on the same
+    tensors) to reuse one built for metrics. ``kernel="auto"`` uses FlexAttention
+    on CUDA and masked SDPA elsewhere.
+    """
+    if min_shared_tokens < 0:
+        raise ValueError(f"min_shared_tokens must be >= 0, got {min_shared_tokens}")
+    if kernel not in KERNEL_CHOICES:
+        raise ValueError(f"kernel must be one of {KERNEL_CHOICES}, got {kernel!r}")
+    if forest is None:
+        forest = build_prefix_forest(input_ids, attention_mask, select)
+    stats = forest.stats
+    if stats.selected == 0 or stats.shared_tokens < min_shared_tokens:
+        logger.info(
+            "ZoRRo Train: %d of %d needed tokens are shared (min_shared_tokens=%d); running the plain forward",
+            stats.shared_tokens,
+            stats.tokens_needed,
+            min_shared_tokens,
+        )
+        return plain_selected_hidden_states(model, input_ids, attention_mask, select)
+    device = input_ids.device
+    if kernel == "auto":
+        kernel = "flex" if device.type == "cuda" else "dense"
+    return packed_selected_hidden_states(model, forest, device, kernel)
+
+
+def packed_selected_hidden_states(
+    model: nn.Module, forest: PrefixForest, device: torch.device, kernel: Literal["flex", "dense"]
+) -> torch.Tensor:
+    """Run the packed forest through the decoder body and return its selected rows."""
+    enable_forest_attention(model)
+    token_ids, positions, subtree_end = pad_for_kernel(forest.token_ids, forest.positions, forest.subtree_end, kernel)
+    positions = positions.to(device)
+    attention = ForestAttention(
+        positions, subtree_end.to(device), kernel, max_position=int(forest.positions.max())
+    )
+    out = decoder_body(model)(
+        input_ids=token_ids.to(device)[None],
+        attention_mask=attention.mask,
+        position_ids=positions[None],
+        use_cache=False,
+        **{FOREST_ATTENTION_KWARG: attention},
+    )
+    return out.last_hidden_state[0, forest.select_index.to(device)]

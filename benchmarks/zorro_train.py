@@ -1,0 +1,275 @@
+"""ZoRRo Train on vs off: one GRPO-shaped forward+backward on the same model, in one run.
+
+Both sides run the same model, the same batch (G samples of one P-token prompt,
+R-token responses) and the same head and loss: the LM head on the selected rows
+only, in row chunks recomputed in backward, and a clipped policy-gradient loss.
+They differ only in how the selected hidden states are computed:
+- plain: ``arctic_rl_core.models.forward.selected_hidden_states``, the engine's
+  padded forward (SDPA);
+- zorro: ``arctic_rl_core.zorro.train.selected_hidden_states``, the prefix forest
+  packed once (FlexAttention on CUDA), its planning included in the timing.
+
+Reported per configuration: time per step, peak memory, their ratios, the
+relative difference of the parameter gradients, and as its yardstick the bf16
+noise of the plain path itself (the same gradient accumulated over two
+micro-batches instead of one). On CUDA also where the kernel time goes.
+
+    python benchmarks/zorro_train.py                 # GPU: Qwen2-0.5B shape, bf16
+    python benchmarks/zorro_train.py --tiny          # CPU: a tiny Qwen2, fp32, in seconds
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import time
+from dataclasses import dataclass
+
+import torch
+from torch.utils.checkpoint import checkpoint
+from transformers import AutoModelForCausalLM, Qwen2Config
+
+from arctic_rl_core.models.forward import lm_head
+from arctic_rl_core.models.forward import selected_hidden_states as plain_selected_hidden_states
+from arctic_rl_core.zorro import train as zorro_train
+
+# Qwen/Qwen2-0.5B's config.json, with random weights.
+QWEN2_0_5B = dict(
+    vocab_size=151936,
+    hidden_size=896,
+    intermediate_size=4864,
+    num_hidden_layers=24,
+    num_attention_heads=14,
+    num_key_value_heads=2,
+    max_position_embeddings=32768,
+    rope_theta=1000000.0,
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=True,
+)
+TINY = dict(
+    vocab_size=1024,
+    hidden_size=128,
+    intermediate_size=256,
+    num_hidden_layers=2,
+    num_attention_heads=2,
+    num_key_value_heads=1,
+    max_position_embeddings=4096,
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=True,
+)
+HEAD_CHUNK_ROWS = 4096
+CLIP = 0.2
+
+
+@dataclass(frozen=True)
+class Case:
+    samples: int  # G
+    prompt: int  # P
+    response: int  # R
+    checkpointing: bool  # gradient checkpointing on the plain side
+    zorro_checkpointing: tuple[bool, ...]  # one zorro measurement per setting; targets apply to the first
+    speedup_target: float | None = None
+    memory_target: float | None = None
+
+    @property
+    def name(self) -> str:
+        return f"G={self.samples} P={self.prompt} R={self.response}"
+
+
+GPU_CASES = [
+    Case(8, 2048, 512, checkpointing=False, zorro_checkpointing=(False,), speedup_target=2.2, memory_target=0.5),
+    Case(16, 8192, 1024, checkpointing=True, zorro_checkpointing=(True, False), speedup_target=4.0, memory_target=0.35),
+]
+TINY_CASES = [
+    Case(4, 64, 16, checkpointing=False, zorro_checkpointing=(False,)),
+    Case(8, 256, 32, checkpointing=True, zorro_checkpointing=(True, False)),
+]
+
+
+def grpo_batch(case: Case, vocab: int, device: torch.device, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    prompt = torch.randint(0, vocab, (case.prompt,), generator=gen)
+    responses = torch.randint(0, vocab, (case.samples, case.response), generator=gen)
+    input_ids = torch.cat([prompt.expand(case.samples, -1), responses], dim=1)
+    select = torch.zeros_like(input_ids, dtype=torch.bool)
+    select[:, case.prompt - 1 : -1] = True  # positions whose next token is a response token
+    targets = torch.roll(input_ids, -1, dims=1)[select]
+    advantages = torch.randn(case.samples, generator=gen)[:, None].expand(-1, case.response).reshape(-1)
+    return [t.to(device) for t in (input_ids, torch.ones_like(input_ids), select, targets, advantages)]
+
+
+def _chunk_loss(head, rows, targets, advantages):
+    logprobs = torch.log_softmax(head(rows).float(), dim=-1).gather(-1, targets[:, None]).squeeze(-1)
+    ratio = torch.exp(logprobs - logprobs.detach())
+    return -torch.minimum(ratio * advantages, ratio.clamp(1 - CLIP, 1 + CLIP) * advantages).sum()
+
+
+def grpo_like_loss(model, rows, targets, advantages, normalizer: int) -> torch.Tensor:
+    """Clipped policy-gradient loss; the [rows, vocab] logits live one chunk at a time, in forward and backward."""
+    head = lm_head(model)
+    total = rows.new_zeros((), dtype=torch.float32)
+    for i in range(0, len(rows), HEAD_CHUNK_ROWS):
+        part = slice(i, i + HEAD_CHUNK_ROWS)
+        total = total + checkpoint(_chunk_loss, head, rows[part], targets[part], advantages[part], use_reentrant=False)
+    return total / normalizer
+
+
+def step(model, forward, batch, row_splits: int = 1) -> None:
+    """One forward+backward, optionally as gradient accumulation over micro-batches of rows."""
+    input_ids, attention_mask, select, targets, advantages = batch
+    model.zero_grad(set_to_none=True)
+    selected_per_row = select.sum(-1).tolist()
+    first_target = 0
+    for rows_part in torch.arange(len(input_ids)).chunk(row_splits):
+        b0, b1 = int(rows_part[0]), int(rows_part[-1]) + 1
+        n = sum(selected_per_row[b0:b1])
+        rows = forward(model, input_ids[b0:b1], attention_mask[b0:b1], select[b0:b1])
+        part = slice(first_target, first_target + n)
+        grpo_like_loss(model, rows, targets[part], advantages[part], normalizer=len(targets)).backward()
+        first_target += n
+
+
+def flat_grads(model) -> torch.Tensor:
+    """All parameter gradients as one fp32 vector, on the CPU so that it does not weigh on the next peak."""
+    return torch.cat([p.grad.float().flatten().cpu() for p in model.parameters() if p.grad is not None])
+
+
+def rel_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a - b).norm() / b.norm()).item()
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def measure(model, forward, batch, device, warmup: int, iters: int) -> tuple[float, float | None]:
+    """Seconds per step and peak memory in GB (None off CUDA)."""
+    for _ in range(warmup):
+        step(model, forward, batch)
+    model.zero_grad(set_to_none=True)
+    synchronize(device)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    start = time.perf_counter()
+    for _ in range(iters):
+        step(model, forward, batch)
+    synchronize(device)
+    seconds = (time.perf_counter() - start) / iters
+    peak = torch.cuda.max_memory_allocated(device) / 1e9 if device.type == "cuda" else None
+    return seconds, peak
+
+
+KERNEL_KINDS = (
+    ("attention", ("flash", "fmha", "attention", "flex", "triton_tem")),
+    ("matmul", ("gemm", "nvjet", "cutlass", "xmma", "sm90", "cublas", "splitk")),
+)
+
+
+def kernel_profile(model, forward, batch) -> dict[str, float]:
+    """CUDA kernel milliseconds of one step, by kind."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        step(model, forward, batch)
+        torch.cuda.synchronize()
+    totals = {"attention": 0.0, "matmul": 0.0, "other": 0.0}
+    for event in prof.key_averages():
+        if event.self_device_time_total <= 0:
+            continue
+        name = event.key.lower()
+        kind = next((k for k, marks in KERNEL_KINDS if any(m in name for m in marks)), "other")
+        totals[kind] += event.self_device_time_total / 1e3
+    return totals
+
+
+def set_checkpointing(model, on: bool) -> None:
+    if on:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_disable()
+
+
+def on_off(flag: bool) -> str:
+    return "on" if flag else "off"
+
+
+def run_case(model, case: Case, device, warmup: int, iters: int, profile: bool) -> None:
+    batch = grpo_batch(case, model.config.vocab_size, device)
+    plan_start = time.perf_counter()
+    stats = zorro_train.build_prefix_forest(*batch[:3]).stats
+    plan_ms = (time.perf_counter() - plan_start) * 1e3
+    print(f"\n== {case.name}: {stats.tokens_real} tokens in the batch, {stats.tokens_packed} packed "
+          f"(token bound {stats.tokens_real / stats.tokens_packed:.2f}x), forest planning {plan_ms:.1f} ms")
+
+    set_checkpointing(model, case.checkpointing)
+    plain_s, plain_mem = measure(model, plain_selected_hidden_states, batch, device, warmup, iters)
+    step(model, plain_selected_hidden_states, batch)
+    plain_grads = flat_grads(model)
+    step(model, plain_selected_hidden_states, batch, row_splits=2)
+    noise = rel_diff(flat_grads(model), plain_grads)
+    plain_label = f"plain, padded batch ({model.config._attn_implementation.removeprefix('zorro_')}), " \
+        f"checkpointing {on_off(case.checkpointing)}"
+    print(f"   {plain_label:<58}: {plain_s * 1e3:8.1f} ms  {memory(plain_mem)}")
+    if profile:
+        print_profile("plain", kernel_profile(model, plain_selected_hidden_states, batch))
+
+    for i, checkpointing in enumerate(case.zorro_checkpointing):
+        set_checkpointing(model, checkpointing)
+        # One more warm-up: the first call compiles FlexAttention for this shape.
+        zorro_s, zorro_mem = measure(model, zorro_train.selected_hidden_states, batch, device, warmup + 1, iters)
+        step(model, zorro_train.selected_hidden_states, batch)
+        diff = rel_diff(flat_grads(model), plain_grads)
+        kernel = "flex" if device.type == "cuda" else "masked sdpa"
+        label = f"zorro, prefix forest ({kernel}), checkpointing {on_off(checkpointing)}"
+        print(f"   {label:<58}: {zorro_s * 1e3:8.1f} ms  {memory(zorro_mem)}")
+        targets = i == 0
+        line = f"      speedup {plain_s / zorro_s:.2f}x" + (
+            f" (target >= {case.speedup_target}x)" if targets and case.speedup_target else ""
+        )
+        if plain_mem is not None:
+            line += f", memory {zorro_mem / plain_mem:.2f}x" + (
+                f" (target <= {case.memory_target}x)" if targets and case.memory_target else ""
+            )
+        print(line)
+        print(f"      gradient rel. diff vs plain: {diff:.2e} (bf16 noise yardstick, plain 2 micro-batches vs 1: "
+              f"{noise:.2e})" if device.type == "cuda" else f"      gradient rel. diff vs plain: {diff:.2e} "
+              f"(plain 2 micro-batches vs 1: {noise:.2e})")
+        if profile:
+            print_profile("zorro", kernel_profile(model, zorro_train.selected_hidden_states, batch))
+    model.zero_grad(set_to_none=True)
+
+
+def memory(gb: float | None) -> str:
+    return f"peak {gb:6.2f} GB" if gb is not None else "peak n/a (CPU)"
+
+
+def print_profile(side: str, totals: dict[str, float]) -> None:
+    parts = ", ".join(f"{k} {v:.1f}" for k, v in totals.items())
+    print(f"      CUDA kernel ms in one {side} step: {parts}; total {sum(totals.values()):.1f}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tiny", action="store_true", help="a tiny Qwen2 in fp32 (runs on CPU in seconds)")
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--iters", type=int, default=3)
+    parser.add_argument("--no-profile", action="store_true", help="skip the per-kernel time breakdown (CUDA)")
+    args = parser.parse_args()
+
+    device = torch.device("cuda" if torch.cuda.is_available() and not args.tiny else "cpu")
+    dtype = torch.float32 if args.tiny else torch.bfloat16
+    config = Qwen2Config(**(TINY if args.tiny else QWEN2_0_5B))
+    torch.manual_seed(0)
+    with torch.device(device) if device.type == "cuda" else contextlib.nullcontext():
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
+    model.to(device).train()
+    name = "tiny Qwen2 (fp32)" if args.tiny else "Qwen2-0.5B shape, random weights (bf16)"
+    where = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
+    print(f"{name} on {where}; torch {torch.__version__}")
+    for case in TINY_CASES if args.tiny else GPU_CASES:
+        run_case(model, case, device, args.warmup, args.iters, profile=device.type == "cuda" and not args.no_profile)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,57 @@
+"""ZoRRo Train on CUDA: the compiled FlexAttention path returns the plain forward's rows and gradients."""
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from arctic_rl_core.models.forward import lm_head
+from arctic_rl_core.models.forward import selected_hidden_states as plain_selected_hidden_states
+from arctic_rl_core.models.tiny import TinySpec, build_tiny_model
+from arctic_rl_core.zorro.train import build_prefix_forest, selected_hidden_states
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+
+def forest_batch(device):
+    """A shared system prompt, two questions sampled 3 times each, responses of different lengths, right padding."""
+    gen = torch.Generator().manual_seed(0)
+    system = torch.randint(3, 1000, (200,), generator=gen).tolist()
+    rows = []
+    for question_length in (90, 130):
+        prompt = system + torch.randint(3, 1000, (question_length,), generator=gen).tolist()
+        for response_length in (60, 150, 101):
+            rows.append((prompt, torch.randint(3, 1000, (response_length,), generator=gen).tolist()))
+    width = max(len(p) + len(r) for p, r in rows)
+    input_ids = torch.zeros(len(rows), width, dtype=torch.long)
+    attention_mask = torch.zeros_like(input_ids)
+    select = torch.zeros_like(input_ids, dtype=torch.bool)
+    for b, (prompt, response) in enumerate(rows):
+        input_ids[b, : len(prompt) + len(response)] = torch.tensor(prompt + response)
+        attention_mask[b, : len(prompt) + len(response)] = 1
+        select[b, len(prompt) - 1 : len(prompt) + len(response) - 1] = True
+    return input_ids.to(device), attention_mask.to(device), select.to(device)
+
+
+def rows_and_grads(model, forward, input_ids, attention_mask, select):
+    model.zero_grad(set_to_none=True)
+    rows = forward(model, input_ids, attention_mask, select)
+    targets = torch.roll(input_ids, -1, dims=1)[select]
+    logprobs = torch.log_softmax(lm_head(model)(rows), -1).gather(-1, targets[:, None]).squeeze(-1)
+    advantages = torch.linspace(-1.0, 1.0, len(rows), device=rows.device)
+    (-(logprobs * advantages).mean()).backward()
+    return rows.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def test_compiled_flex_forest_matches_the_plain_forward_in_fp32(tmp_path):
+    path = build_tiny_model(tmp_path / "qwen2", TinySpec(family="qwen2"))
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).cuda()
+    tensors = forest_batch(torch.device("cuda"))
+    stats = build_prefix_forest(*tensors).stats
+    assert stats.tokens_packed > 4 * 128  # several flex blocks: full, partial and skipped ones
+
+    rows, grads = rows_and_grads(model, selected_hidden_states, *tensors)
+    plain_rows, plain_grads = rows_and_grads(model, plain_selected_hidden_states, *tensors)
+    assert model.config._attn_implementation == "zorro_sdpa"
+    torch.testing.assert_close(rows, plain_rows, rtol=1e-4, atol=1e-4 * plain_rows.abs().max().item())
+    for name, grad in plain_grads.items():
+        torch.testing.assert_close(grads[name], grad, rtol=1e-4, atol=1e-4 * grad.abs().max().item(), msg=name)
