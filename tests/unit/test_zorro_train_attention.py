@@ -63,8 +63,8 @@ def test_block_mask_skips_blocks_of_other_samples_and_runs_shared_prompt_blocks_
     listed = int(blocks.kv_num_blocks.sum() + blocks.full_kv_num_blocks.sum())
     # Causal attention over the packed sequence would list more than half the blocks; the forest far fewer.
     assert listed < 0.4 * total
-    # The last sample's response blocks read the 4 prompt blocks without a mask.
-    assert blocks.full_kv_num_blocks[0, 0, -1] == 4
+    # The first block of the last sample's response reads the 4 prompt blocks without a mask, its own diagonal with.
+    assert blocks.full_kv_num_blocks[0, 0, -2] == 4 and blocks.kv_num_blocks[0, 0, -2] == 1
 
 
 def test_window_wider_than_every_row_reuses_the_full_mask():
