@@ -105,6 +105,9 @@ class ArcticRLClientConfig(BaseModel):
         None, description="Bearer token for the HTTP server. The local backend generates one when unset."
     )
     ray_namespace: str = Field("arctic-rl", description="Ray namespace of the server actor (Ray protocol).")
+    ray_server_name: Optional[str] = Field(
+        None, description="Name of the Ray server actor to reach; the local backend names the one it starts."
+    )
 
     @field_validator("backend", mode="before")
     @classmethod
@@ -131,15 +134,11 @@ class ArcticRLClientConfig(BaseModel):
         """True when job ids are given: the client attaches to them and sends no /initialize."""
         return any(i is not None for i in (self.training_job_id, self.sampling_job_id, self.log_prob_job_id))
 
-    @property
-    def job_spec(self) -> dict:
-        """The fields the server needs to create jobs (job ids and client-side settings excluded)."""
-        client_only = {
-            "backend", "comm_protocol", "host", "port", "training_job_id", "sampling_job_id", "log_prob_job_id",
-            "ray_auto_attach", "server_logs", "startup_timeout", "health_check_interval", "auth_token",
-            "ray_namespace",
-        }  # fmt: skip
-        return self.model_dump(exclude=client_only)
+    def for_initialize(self) -> "ArcticRLClientConfig":
+        """The copy sent to /initialize: job ids and the auth token are never forwarded."""
+        return self.model_copy(
+            update={"training_job_id": None, "sampling_job_id": None, "log_prob_job_id": None, "auth_token": None}
+        )
 
 
 class WeightSyncConfig(BaseModel):

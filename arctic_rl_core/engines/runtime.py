@@ -1,0 +1,58 @@
+"""Process-level setup shared by every worker: device choice, threads, caches, memory readings."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+
+# DeepSpeed JIT-builds its C++ ops (the CPU shm all-reduce among them) on first use: keep one known cache.
+DEFAULT_EXTENSIONS_DIR = Path.home() / ".cache" / "arctic-rl" / "torch_extensions"
+
+
+def resolve_device(requested: str) -> str:
+    """"auto" -> "cuda" when CUDA is available, else "cpu"; "cuda" without CUDA is an error."""
+    if requested == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if requested == "cuda" and not torch.cuda.is_available():
+        raise ValueError('device="cuda" but torch sees no CUDA device; use device="cpu" or "auto"')
+    return requested
+
+
+def configure_process(device: str, threads: int | None = None) -> torch.device:
+    """Pick this worker's device (Ray sets CUDA_VISIBLE_DEVICES to its GPU) and bound CPU threads."""
+    os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(DEFAULT_EXTENSIONS_DIR))
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    if device == "cpu":
+        # Before deepspeed is imported: never probe for accelerators on a CPU worker.
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    if threads:
+        torch.set_num_threads(threads)
+    if device == "cuda":
+        torch.cuda.set_device(0)
+        return torch.device("cuda", 0)
+    return torch.device("cpu")
+
+
+def free_port() -> int:
+    """A TCP port free on this host right now (for a torch.distributed rendezvous)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+def device_memory(reserved: bool = False) -> int:
+    if not torch.cuda.is_available():
+        return 0
+    return torch.cuda.memory_reserved() if reserved else torch.cuda.memory_allocated()
+
+
+def empty_device_cache() -> None:
+    import gc
+
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()

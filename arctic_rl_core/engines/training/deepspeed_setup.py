@@ -1,0 +1,90 @@
+"""Turning a TrainingConfig into a DeepSpeed config, an optimizer and an LR schedule."""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import torch
+
+from arctic_rl_core.config import OptimizerConfig, TrainingConfig
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def merge(base: dict, override: dict) -> dict:
+    """Recursive dict merge; ``override`` wins."""
+    out = copy.deepcopy(base)
+    for key, value in override.items():
+        out[key] = merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+    return out
+
+
+def build_ds_config(user: dict, training: TrainingConfig | None, dtype: str) -> dict:
+    """Our defaults under the user's ``ds_config``.
+
+    Micro-batching is ours (token budgets, see ``mb_spec``), so DeepSpeed sees
+    one micro-batch per backward and we mark accumulation boundaries ourselves.
+    A torch optimizer is used unless the user's config names one (DeepSpeed's
+    CPU/fused Adam need a multi-minute JIT build).
+    """
+    defaults = {
+        "train_micro_batch_size_per_gpu": 1,
+        "gradient_accumulation_steps": 1,
+        "zero_optimization": {"stage": 0},
+        "zero_force_ds_cpu_optimizer": False,
+        "zero_allow_untested_optimizer": True,
+        "steps_per_print": 10**9,
+        "wall_clock_breakdown": False,
+        "bf16": {"enabled": dtype == "bfloat16"},
+        "fp16": {"enabled": dtype == "float16"},
+    }
+    if training is not None:
+        defaults["gradient_clipping"] = training.optimizer.gradient_clipping
+    config = merge(defaults, user)
+    if config.get("gradient_accumulation_steps", 1) != 1 or config.get("train_micro_batch_size_per_gpu", 1) != 1:
+        raise ValueError(
+            "ds_config: gradient_accumulation_steps and train_micro_batch_size_per_gpu must stay 1; "
+            "arctic-rl accumulates over micro-batches and fwd_bwd calls until step() (use training_config.mb_spec)"
+        )
+    config.pop("train_batch_size", None)
+    return config
+
+
+def build_optimizer(params, config: OptimizerConfig, device: str) -> torch.optim.Optimizer:
+    decay, no_decay = [], []
+    for name, param in params:
+        if not param.requires_grad:
+            continue
+        # Biases and norm weights are not decayed (the usual AdamW recipe).
+        (no_decay if param.dim() < 2 else decay).append(param)
+    groups = [
+        {"params": decay, "weight_decay": config.weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
+    return torch.optim.AdamW(
+        [g for g in groups if g["params"]],
+        lr=config.lr,
+        betas=(config.beta1, config.beta2),
+        eps=config.eps,
+        foreach=device == "cuda",
+    )
+
+
+def lr_multiplier(config: OptimizerConfig):
+    """step -> multiplier of the base lr: linear warmup, then constant/linear/cosine decay."""
+    total = config.total_train_steps or 0
+    warmup = int(round(config.warmup_fraction * total))
+
+    def at(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / (warmup + 1)
+        if config.lr_scheduler_type == "constant":
+            return 1.0
+        progress = min(1.0, (step - warmup) / max(1, total - warmup))
+        floor = config.min_lr_ratio
+        if config.lr_scheduler_type == "linear":
+            return floor + (1.0 - floor) * (1.0 - progress)
+        return floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+    return at

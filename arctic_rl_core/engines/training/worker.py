@@ -1,0 +1,393 @@
+"""One rank of a DeepSpeed engine, as a Ray actor: the training engine, or forward-only for log-probs.
+
+The engine does not know GRPO from SFT: ``fwd_bwd`` runs the model where the
+loss needs it, applies the named loss from the processor registry, and returns
+metric sums for the job to reduce across ranks.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterator
+
+import torch
+
+from arctic_rl_core.config import TrainingConfig
+from arctic_rl_core.engines.batching import RowBatch, micro_batches
+from arctic_rl_core.engines.runtime import configure_process, device_memory, empty_device_cache, free_port
+from arctic_rl_core.engines.token_outputs import TokenOutputs, token_outputs
+from arctic_rl_core.engines.training.deepspeed_setup import DTYPES, build_ds_config, build_optimizer, lr_multiplier
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class WorkerSpec:
+    """Everything a DeepSpeed rank needs; built by the job from the validated client config."""
+
+    model_name: str
+    device: str  # "cuda" | "cpu"
+    trainable: bool
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+    ds_config: dict = field(default_factory=dict)
+    checkpoint_path: str | None = None
+    seed: int = 42
+    full_determinism: bool = False
+    allowed_loss_prefixes: tuple[str, ...] = ()
+    threads: int | None = None
+
+
+@dataclass
+class LossCall:
+    """A validated loss: registry name, parsed config dict, post-processors, and the call's denominators."""
+
+    loss_fn: str
+    config: dict
+    post: list
+    global_tokens: float
+    global_seqs: float
+    horizon: int
+
+
+class DeepSpeedWorker:
+    """Built in two steps: the job asks rank 0 for a rendezvous address, then every rank runs ``setup``."""
+
+    def __init__(self, rank: int, world_size: int, spec: WorkerSpec):
+        self.rank, self.world_size, self.spec = rank, world_size, spec
+        self.device = configure_process(spec.device, spec.threads)
+        self.engine = None
+
+    def rendezvous_address(self) -> tuple[str, int]:
+        import ray
+
+        return ray.util.get_node_ip_address(), free_port()
+
+    def setup(self, master_addr: str, master_port: int) -> dict:
+        spec = self.spec
+        os.environ.update(
+            RANK=str(self.rank), WORLD_SIZE=str(self.world_size), LOCAL_RANK="0",
+            MASTER_ADDR=master_addr, MASTER_PORT=str(master_port),
+        )  # fmt: skip
+        import deepspeed
+        from transformers import AutoModelForCausalLM, enable_full_determinism, set_seed
+
+        if spec.full_determinism:
+            enable_full_determinism(spec.seed)
+        else:
+            set_seed(spec.seed)
+        deepspeed.init_distributed(dist_backend="nccl" if spec.device == "cuda" else "gloo", auto_mpi_discovery=False)
+
+        training = spec.training
+        model = AutoModelForCausalLM.from_pretrained(
+            spec.model_name, dtype=torch.float32, attn_implementation=training.attn_impl
+        )
+        if spec.trainable and training.gradient_checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.config.use_cache = False
+        ds_config = build_ds_config(spec.ds_config, training if spec.trainable else None, training.dtype)
+        self._zero_stage = int(ds_config.get("zero_optimization", {}).get("stage", 0))
+        optimizer = scheduler = None
+        if spec.trainable and "optimizer" not in ds_config:
+            optimizer = build_optimizer(model.named_parameters(), training.optimizer, spec.device)
+            if "scheduler" not in ds_config:
+                scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_multiplier(training.optimizer))
+        self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(
+            model=model, optimizer=optimizer, lr_scheduler=scheduler, config=ds_config,
+            model_parameters=model.parameters() if spec.trainable and optimizer is None else None,
+        )  # fmt: skip
+        if not spec.trainable:
+            self.engine.eval()
+        self._pending_micro_batches = 0
+        self._slept: str | None = None
+        if spec.checkpoint_path and (Path(spec.checkpoint_path) / "latest").exists():
+            self.engine.load_checkpoint(spec.checkpoint_path, load_module_strict=True)
+            logger.info("resumed from %s at step %d", spec.checkpoint_path, self.engine.global_steps)
+        return self.info()
+
+    # ------------------------------------------------------------ identity
+
+    def info(self) -> dict:
+        return {"rank": self.rank, "pid": os.getpid(), "device": str(self.device), "zero_stage": self._zero_stage}
+
+    def watch(self) -> None:
+        """Blocks forever; the job awaits it so a dead worker is noticed at once, even when idle."""
+        import threading
+
+        threading.Event().wait()
+
+    # ------------------------------------------------------------ forward passes
+
+    @property
+    def model(self) -> torch.nn.Module:
+        return self.engine.module
+
+    def _outputs(self, batch: RowBatch, select: torch.Tensor, post: list, entropy: str, top_k: int = 0) -> TokenOutputs:
+        from arctic_rl_core.processors import resolve_post
+
+        return token_outputs(
+            self.model,
+            batch.input_ids,
+            batch.attention_mask,
+            select,
+            post=resolve_post(post),
+            entropy=entropy,
+            zorro=self.spec.training.zorro_train,
+            top_k=top_k,
+        )
+
+    def fwd_bwd(self, batch: RowBatch, call: LossCall) -> dict:
+        """Forward + backward over micro-batches; gradients accumulate until ``step``."""
+        from arctic_rl_core.processors import LossInputs, resolve_loss
+
+        if not self.spec.trainable:
+            raise RuntimeError("fwd_bwd on a forward-only engine")
+        spec = resolve_loss(call.loss_fn, self.spec.allowed_loss_prefixes)
+        config = spec.parse_config(call.config)
+        # Entropy is always reported; it carries a gradient only when the loss uses it.
+        entropy_mode = "grad" if spec.needs_entropy(config) else "metric"
+        mb_spec = self.spec.training.mb_spec
+        parts = micro_batches(batch, mb_spec.max_tokens_per_mb, mb_spec.n_mbs or 1) if batch.rows else []
+        sums: dict[str, list[float]] = {}
+        maxima: dict[str, float] = {}
+        loss_total = 0.0
+        self.engine.train()
+        # A rank with no rows still joins the gradient all-reduce, with a zero loss on a dummy row.
+        for index, part in enumerate(parts or [None]):
+            last = index == max(len(parts), 1) - 1
+            self.engine.set_gradient_accumulation_boundary(last)
+            if part is None:
+                loss = self._dummy_loss()
+            else:
+                part = part.to(self.device)
+                select = part.loss_mask > 0
+                out = self._outputs(part, select, call.post, entropy_mode)
+                result = spec(
+                    LossInputs(
+                        logprobs=out.logprobs,
+                        mask=part.loss_mask,
+                        context=part.context,
+                        entropy=out.entropy,
+                        global_tokens=call.global_tokens,
+                        global_seqs=call.global_seqs,
+                        horizon=call.horizon,
+                    ),
+                    config,
+                )
+                loss = result.loss
+                for name, (total, weight) in result.metrics.items():
+                    acc = sums.setdefault(name, [0.0, 0.0])
+                    acc[0] += float(total)
+                    acc[1] += float(weight)
+                for name, value in result.maxima.items():
+                    maxima[name] = max(maxima.get(name, float("-inf")), float(value))
+                if out.entropy is not None and "entropy" not in result.metrics:
+                    acc = sums.setdefault("entropy", [0.0, 0.0])
+                    acc[0] += float((out.entropy.detach() * part.loss_mask).sum())
+                    acc[1] += float(part.loss_mask.sum())
+            loss_total += float(loss.detach())
+            # DeepSpeed averages gradients over ranks; our shares sum to the global loss.
+            self.engine.backward(loss * self.world_size)
+            self._pending_micro_batches += 1
+        return {"loss": loss_total, "sums": sums, "maxima": maxima, "micro_batches": len(parts)}
+
+    def _dummy_loss(self) -> torch.Tensor:
+        ids = torch.zeros(1, 2, dtype=torch.long, device=self.device)
+        logits = self.model(input_ids=ids, use_cache=False).logits
+        return logits.sum() * 0.0
+
+    @torch.no_grad()
+    def token_log_probs(self, batch: RowBatch, top_k: int) -> dict:
+        """Shifted log-probs [B, T] plus the top-k alternatives [B, T, k] at every scored position."""
+        self.engine.eval()
+        batch = batch.to(self.device)
+        mask = batch.attention_mask.bool()
+        select = torch.zeros_like(mask)
+        select[:, :-1] = mask[:, :-1] & mask[:, 1:]
+        out = self._outputs(batch, select, [], "none", top_k=top_k)
+        result = {"log_probs_shifted": out.logprobs.cpu()}
+        if top_k:
+            result["top_ids"], result["top_log_probs"] = out.top_ids.cpu(), out.top_logprobs.cpu()
+        return result
+
+    @torch.no_grad()
+    def fwd_no_grad(self, batch: RowBatch, post: list, return_entropy: bool) -> dict:
+        """Shifted log-probs [B, T] (0 where the next token is padding), optionally entropy."""
+        self.engine.eval()
+        rows, length = batch.input_ids.shape
+        log_probs = torch.zeros(rows, length, dtype=torch.float32)
+        entropy = torch.zeros(rows, length, dtype=torch.float32) if return_entropy else None
+        if rows:
+            batch = batch.to(self.device)
+            mask = batch.attention_mask.bool()
+            select = torch.zeros_like(mask)
+            select[:, :-1] = mask[:, :-1] & mask[:, 1:]
+            out = self._outputs(batch, select, post, "metric" if return_entropy else "none")
+            log_probs[select.cpu()] = out.logprobs[select].float().cpu()
+            if entropy is not None:
+                entropy[select.cpu()] = out.entropy[select].float().cpu()
+        result = {"log_probs_shifted": log_probs}
+        if entropy is not None:
+            result["entropy_shifted"] = entropy
+        return result
+
+    # ------------------------------------------------------------ optimizer
+
+    def step(self) -> dict:
+        if not self.spec.trainable:
+            raise RuntimeError("step on a forward-only engine")
+        if self._pending_micro_batches == 0:
+            raise ValueError("step() called with no gradients: call fwd_bwd first")
+        self.engine.set_gradient_accumulation_boundary(True)
+        norm = self._grad_norm_if_untracked()
+        self.engine.step()
+        self._pending_micro_batches = 0
+        tracked = self.engine.get_global_grad_norm()
+        grad_norm = float(tracked) if tracked is not None else norm
+        return {"grad_norm": grad_norm, "lr": self._lr(), "step": int(self.engine.global_steps)}
+
+    def _grad_norm_if_untracked(self) -> float:
+        """ZeRO-0 does not report the global grad norm; compute it before the step clips."""
+        if self._zero_stage != 0:
+            return float("nan")
+        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+        if not grads:
+            return 0.0
+        return float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for g in grads])))
+
+    def _lr(self) -> float:
+        return float(self.engine.get_lr()[0]) if self.engine.get_lr() else float("nan")
+
+    # ------------------------------------------------------------ checkpoints
+
+    def save_checkpoint(self, directory: str) -> dict:
+        """Atomic: write under a temporary tag, rename, then point ``latest`` at it."""
+        import torch.distributed as dist
+
+        root = Path(directory)
+        tag = f"global_step{self.engine.global_steps}"
+        staging = f".tmp-{tag}-{int(time.time() * 1000)}" if self.rank == 0 else None
+        staging = self._broadcast_object(staging)
+        if self.rank == 0:
+            root.mkdir(parents=True, exist_ok=True)
+        dist.barrier()
+        self.engine.save_checkpoint(str(root), tag=staging, save_latest=False)
+        dist.barrier()
+        if self.rank == 0:
+            final = root / tag
+            if final.exists():
+                shutil.rmtree(final)
+            os.replace(root / staging, final)
+            pointer = root / ".latest.tmp"
+            pointer.write_text(tag)
+            os.replace(pointer, root / "latest")
+        dist.barrier()
+        return {"path": str(root / tag), "step": int(self.engine.global_steps)}
+
+    def _broadcast_object(self, value):
+        import torch.distributed as dist
+
+        box = [value]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    # ------------------------------------------------------------ weights
+
+    def named_full_parameters(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """HF-named full parameters; under ZeRO-3 every rank must iterate in lockstep (they gather)."""
+        import deepspeed
+
+        for name, param in self.model.named_parameters():
+            if self._zero_stage == 3:
+                with deepspeed.zero.GatheredParameters([param], modifier_rank=None):
+                    yield name, param.data
+            else:
+                yield name, param.data
+
+    def weight_norm(self) -> float:
+        total = torch.zeros((), dtype=torch.float64)
+        for _, tensor in self.named_full_parameters():
+            total += tensor.detach().double().pow(2).sum().cpu()
+        return float(total.sqrt())
+
+    def export_weights(self, directory: str) -> dict:
+        """Write full HF-named weights as safetensors (rank 0); all ranks gather under ZeRO-3."""
+        from arctic_rl_core.weight_sync.file_sync import write_weights
+
+        if self.rank != 0:
+            for _ in self.named_full_parameters():  # ZeRO-3: join every gather
+                pass
+            return {}
+        # Copies: a gathered ZeRO-3 parameter is released when its gather context ends.
+        named = [(name, tensor.detach().to("cpu", copy=True)) for name, tensor in self.named_full_parameters()]
+        write_weights(named, directory)
+        return {"bytes": sum(t.nbytes for _, t in named), "tensors": len(named)}
+
+    # ------------------------------------------------------------ memory
+
+    def sleep(self, mode: str) -> dict:
+        """Move state to CPU. On CPU there is nothing to move; say so."""
+        if self.device.type != "cuda":
+            return {"rank": self.rank, "mode": mode, "moved": [], "reason": "device is cpu: nothing to offload"}
+        before = device_memory()
+        moved = self._offload(mode)
+        empty_device_cache()
+        self._slept = mode
+        return {"rank": self.rank, "mode": mode, "moved": moved, "freed_bytes": before - device_memory()}
+
+    def wake(self) -> dict:
+        if self.device.type != "cuda" or self._slept is None:
+            return {"rank": self.rank, "woke": False}
+        before = device_memory()
+        if self._zero_stage == 0:
+            self._move_unpartitioned(self._slept, self.device)
+        else:
+            self.engine.reload_states(non_blocking=False)
+        self._slept = None
+        return {"rank": self.rank, "woke": True, "allocated_bytes": device_memory() - before}
+
+    def _offload(self, mode: str) -> list[str]:
+        from deepspeed.runtime.zero.offload_config import OffloadStateTypeEnum as S
+
+        states = {
+            "all": [S.optim_states, S.hp_params, S.lp_params, S.lp_grads, S.contiguous_grad_buffer],
+            "non_lp": [S.optim_states, S.hp_params, S.lp_grads, S.contiguous_grad_buffer],
+            "lp_params": [S.lp_params],
+        }[mode]
+        if self._zero_stage == 0:
+            return self._move_unpartitioned(mode, torch.device("cpu"))
+        self.engine.offload_states(include=states, non_blocking=False)
+        return [s.name for s in states]
+
+    def _move_unpartitioned(self, mode: str, device: torch.device) -> list[str]:
+        """ZeRO-0 has no partitioned state for offload_states: move the module and optimizer state ourselves."""
+        moved = []
+        if mode in ("all", "lp_params"):
+            self.model.to(device)
+            moved.append("lp_params")
+        if mode in ("all", "non_lp"):
+            for param in self.model.parameters():
+                if param.grad is not None:
+                    param.grad = param.grad.to(device)
+            if self.optimizer is not None:
+                for state in self.optimizer.state.values():
+                    for key, value in state.items():
+                        if torch.is_tensor(value):
+                            state[key] = value.to(device)
+            moved += ["lp_grads", "optim_states"]
+        return moved
+
+    def empty_cache(self) -> dict:
+        before = device_memory(reserved=True)
+        empty_device_cache()
+        return {"rank": self.rank, "released_bytes": before - device_memory(reserved=True)}
+
+    def shutdown(self) -> None:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()

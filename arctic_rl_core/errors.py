@@ -1,0 +1,53 @@
+"""Exceptions that cross the client/server boundary, each with one HTTP status.
+
+A client turns 4xx answers back into ``ValueError`` subclasses (the caller
+sent something wrong) and job failures into ``JobFailedError``.
+"""
+
+from __future__ import annotations
+
+
+class ArcticRLError(RuntimeError):
+    """Base of server-side failures that are not the caller's fault."""
+
+    status = 500
+
+
+class BadRequest(ValueError):
+    """The request is well-formed but cannot be served as asked (names the field and the fix)."""
+
+    status = 400
+
+
+class NotFound(ValueError):
+    status = 404
+
+
+class Unauthorized(PermissionError):
+    status = 401
+
+
+class JobFailedError(ArcticRLError):
+    """The job is FAILED (a worker died or its start failed); the message carries the cause."""
+
+    status = 409
+
+
+class JobNotReady(ArcticRLError):
+    """The job is PENDING or DESTROYED."""
+
+    status = 409
+
+
+class PayloadTooLarge(ValueError):
+    status = 413
+
+
+def status_of(exc: BaseException) -> int:
+    """HTTP status for an exception raised while serving a request."""
+    status = getattr(exc, "status", None)
+    if isinstance(status, int):
+        return status
+    if isinstance(exc, ValueError):
+        return 400
+    return 500

@@ -1,0 +1,151 @@
+"""The HTTP server: one FastAPI route per op in the table, over a JobManager.
+
+Bodies are arctic wire format (``wire.py``) or JSON; responses follow the
+client's Accept header. Every route but ``/health`` needs the bearer token.
+Errors are JSON ``{"error": type, "detail": message}`` with the status of the
+exception (``errors.status_of``); a validation error names the field.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hmac
+import json
+import logging
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from pydantic import ValidationError
+from pydantic.json_schema import models_json_schema
+
+from arctic_rl_core import wire
+from arctic_rl_core.errors import PayloadTooLarge, Unauthorized, status_of
+from arctic_rl_core.ops import OPS, Op
+from arctic_rl_core.server.manager import JobManager
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MAX_BODY_BYTES = 2 * 1024**3
+OPEN_PATHS = {"/health"}
+
+
+def validation_message(exc: ValidationError) -> str:
+    """'field.path: what is wrong' for each error, without pydantic's URLs."""
+    parts = []
+    for error in exc.errors():
+        location = ".".join(str(p) for p in error["loc"]) or "request"
+        parts.append(f"{location}: {error['msg']}")
+    return "; ".join(parts)
+
+
+def error_response(exc: BaseException) -> JSONResponse:
+    if isinstance(exc, ValidationError):
+        return JSONResponse({"error": "ValidationError", "detail": validation_message(exc)}, status_code=422)
+    status = status_of(exc)
+    if status >= 500:
+        logger.exception("request failed", exc_info=exc)
+    return JSONResponse({"error": type(exc).__name__, "detail": str(exc)}, status_code=status)
+
+
+def create_app(manager: JobManager, auth_token: str | None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
+    @contextlib.asynccontextmanager
+    async def lifespan(_app: FastAPI):
+        yield
+        # Graceful shutdown (SIGTERM included): in-flight requests have finished; release every job.
+        await manager.destroy_all()
+
+    app = FastAPI(
+        title="arctic-rl",
+        version="0.1.0",
+        description="RL compute engine: training, sampling, log-prob.",
+        lifespan=lifespan,
+    )
+    app.state.manager = manager
+
+    @app.middleware("http")
+    async def authenticate(request: Request, call_next):
+        if auth_token is not None and request.url.path not in OPEN_PATHS:
+            given = request.headers.get("authorization", "")
+            if not hmac.compare_digest(given.encode(), f"Bearer {auth_token}".encode()):
+                return error_response(Unauthorized("missing or wrong bearer token (Authorization: Bearer <token>)"))
+        return await call_next(request)
+
+    @app.get("/health")
+    async def health() -> dict:
+        return {"status": "ok"}
+
+    for op in OPS.values():
+        _add_route(app, manager, op, max_body_bytes)
+    _install_openapi(app)
+    return app
+
+
+def _add_route(app: FastAPI, manager: JobManager, op: Op, max_body_bytes: int) -> None:
+    async def handle(request: Request) -> Response:
+        try:
+            data = await _read(request, op, max_body_bytes)
+            parsed = op.request.model_validate(data)
+            result = await manager.dispatch(op, parsed)
+        except Exception as exc:  # noqa: BLE001 - every failure becomes a status + message
+            return error_response(exc)
+        return _respond(request, result)
+
+    handle.__name__ = op.name
+    extra: dict[str, Any] = {"x-arctic-op": op.name}
+    if op.http_method == "POST":
+        schema = {"$ref": f"#/components/schemas/{op.request.__name__}"}
+        extra["requestBody"] = {
+            "required": True,
+            "content": {"application/json": {"schema": schema}, wire.CONTENT_TYPE: {"schema": {"type": "string", "format": "binary"}}},
+        }
+    app.add_api_route(op.path, handle, methods=[op.http_method], summary=op.doc, name=op.name, openapi_extra=extra)
+
+
+async def _read(request: Request, op: Op, max_body_bytes: int) -> Any:
+    if op.http_method == "GET":
+        data: dict[str, Any] = dict(request.query_params)
+        data.update(request.path_params)
+        return data
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > max_body_bytes:
+        raise PayloadTooLarge(f"request body of {declared} bytes exceeds the limit of {max_body_bytes}")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > max_body_bytes:
+            raise PayloadTooLarge(f"request body exceeds the limit of {max_body_bytes} bytes")
+        chunks.append(chunk)
+    body = b"".join(chunks)
+    content_type = request.headers.get("content-type", "application/json").split(";")[0].strip()
+    if content_type == wire.CONTENT_TYPE:
+        return wire.decode(body)
+    if content_type in ("application/json", ""):
+        try:
+            return json.loads(body) if body else {}
+        except ValueError as exc:
+            raise ValueError(f"request body is not valid JSON: {exc}") from None
+    raise ValueError(f"unsupported content-type {content_type!r}; use application/json or {wire.CONTENT_TYPE}")
+
+
+def _respond(request: Request, result: Any) -> Response:
+    if wire.CONTENT_TYPE in request.headers.get("accept", ""):
+        return Response(wire.encode({"result": result}), media_type=wire.CONTENT_TYPE)
+    return JSONResponse({"result": wire.to_jsonable(result)})
+
+
+def _install_openapi(app: FastAPI) -> None:
+    """Put each op's request model into components.schemas, so POST bodies are documented (and fuzzable)."""
+    base_openapi = app.openapi
+
+    def openapi() -> dict:
+        if app.openapi_schema:
+            return app.openapi_schema
+        schema = base_openapi()
+        models = [(op.request, "validation") for op in OPS.values()]
+        _, definitions = models_json_schema(models, ref_template="#/components/schemas/{model}")
+        schema.setdefault("components", {}).setdefault("schemas", {}).update(definitions.get("$defs", {}))
+        app.openapi_schema = schema
+        return schema
+
+    app.openapi = openapi

@@ -1,0 +1,172 @@
+"""A job: a set of Ray worker actors with one state, PENDING -> RUNNING -> (FAILED | DESTROYED).
+
+A job notices a dead worker at once: it keeps a ``watch`` call open on every
+worker, and when one returns with an error the job turns FAILED with the
+cause, its other workers are killed (they would hang in collectives), and every
+pending and later call raises ``JobFailedError`` naming the job and the cause.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from enum import Enum
+from typing import Any, Sequence
+
+import ray
+from ray.exceptions import RayActorError, RayTaskError
+
+from arctic_rl_core.errors import JobFailedError, JobNotReady
+from arctic_rl_core.ops import JobKind
+from arctic_rl_core.server.placement import Slot
+
+logger = logging.getLogger(__name__)
+
+
+class JobState(str, Enum):
+    PENDING = "PENDING"
+    RUNNING = "RUNNING"
+    FAILED = "FAILED"
+    DESTROYED = "DESTROYED"
+
+
+class Job:
+    """Base of the three job kinds: worker lifecycle, failure detection, and calls to ranks."""
+
+    kind: JobKind
+
+    def __init__(self, job_id: int, slots: list[Slot], threads: int | None):
+        self.job_id = job_id
+        self.slots = slots
+        self.threads = threads
+        self.state = JobState.PENDING
+        self.error: str | None = None
+        self.workers: list[ray.actor.ActorHandle] = []
+        self.created_at = time.time()
+        self.calls = 0
+        self._watchers: list[asyncio.Task] = []
+        self._failed = asyncio.Event()
+        self.on_release = None  # set by the manager: gives back the placement group
+
+    @property
+    def name(self) -> str:
+        return f"{self.kind.value} job {self.job_id}"
+
+    def status(self) -> dict:
+        return {
+            "job_id": self.job_id,
+            "kind": self.kind.value,
+            "state": self.state.value,
+            "error": self.error,
+            "workers": len(self.slots),
+            "calls": self.calls,
+        }
+
+    # ------------------------------------------------------------ lifecycle
+
+    async def start(self) -> None:
+        """Create and set up the workers; RUNNING on success, FAILED (with the cause) otherwise."""
+        try:
+            await self._create_workers()
+            self._watchers = [asyncio.ensure_future(self._watch(rank, w)) for rank, w in enumerate(self.workers)]
+            if self.state is JobState.PENDING:
+                self.state = JobState.RUNNING
+                logger.info("%s RUNNING (%d workers)", self.name, len(self.workers))
+        except Exception as exc:  # noqa: BLE001 - any start failure is the job's failure
+            self.fail(f"start failed: {_describe(exc)}")
+
+    async def _create_workers(self) -> None:
+        raise NotImplementedError
+
+    async def _watch(self, rank: int, worker) -> None:
+        try:
+            await worker.watch.remote()
+        except asyncio.CancelledError:
+            return
+        except Exception as exc:  # noqa: BLE001
+            if self.state is not JobState.DESTROYED:
+                self.fail(f"worker {rank} died: {_describe(exc)}")
+
+    def fail(self, reason: str) -> None:
+        if self.state in (JobState.FAILED, JobState.DESTROYED):
+            return
+        self.state, self.error = JobState.FAILED, reason
+        self._failed.set()
+        logger.error("%s FAILED: %s", self.name, reason)
+        self._kill_workers()
+
+    async def destroy(self) -> None:
+        if self.state is JobState.DESTROYED:
+            return
+        self.state = JobState.DESTROYED
+        self._failed.set()
+        for task in self._watchers:
+            task.cancel()
+        await self._graceful_shutdown()
+        self._kill_workers()
+
+    async def _graceful_shutdown(self) -> None:
+        refs = [w.shutdown.remote() for w in self.workers]
+        if refs:
+            await asyncio.wait([asyncio.ensure_future(_await(r)) for r in refs], timeout=10)
+
+    def _kill_workers(self) -> None:
+        for worker in self.workers:
+            try:
+                ray.kill(worker, no_restart=True)
+            except Exception:  # noqa: BLE001 - already gone
+                pass
+        if self.on_release is not None:
+            self.on_release()
+            self.on_release = None
+
+    # ------------------------------------------------------------ calls
+
+    def ensure_running(self) -> None:
+        if self.state is JobState.FAILED:
+            raise JobFailedError(f"{self.name} is FAILED: {self.error}")
+        if self.state is not JobState.RUNNING:
+            raise JobNotReady(f"{self.name} is {self.state.value}")
+
+    async def gather(self, refs: Sequence[ray.ObjectRef]) -> list[Any]:
+        """Await worker calls; a dead worker fails the job and raises at once, even mid-call."""
+        self.ensure_running()
+        self.calls += 1
+        results = asyncio.ensure_future(asyncio.gather(*[_await(r) for r in refs]))
+        failed = asyncio.ensure_future(self._failed.wait())
+        done, _ = await asyncio.wait({results, failed}, return_when=asyncio.FIRST_COMPLETED)
+        if results in done:
+            failed.cancel()
+            try:
+                return results.result()
+            except RayActorError as exc:
+                self.fail(f"a worker died during the call: {_describe(exc)}")
+                raise JobFailedError(f"{self.name} is FAILED: {self.error}") from None
+            except RayTaskError as exc:
+                raise _unwrap(exc) from None
+        results.cancel()
+        raise JobFailedError(f"{self.name} is {self.state.value}: {self.error or 'destroyed during the call'}")
+
+    async def call_all(self, method: str, *args, **kwargs) -> list[Any]:
+        return await self.gather([getattr(w, method).remote(*args, **kwargs) for w in self.workers])
+
+    async def call_each(self, method: str, per_rank: Sequence[tuple]) -> list[Any]:
+        return await self.gather([getattr(w, method).remote(*args) for w, args in zip(self.workers, per_rank)])
+
+
+async def _await(ref):
+    return await ref
+
+
+def _unwrap(exc: RayTaskError) -> BaseException:
+    """The worker's own exception (a ValueError stays a ValueError, so it becomes a 4xx)."""
+    cause = exc.cause if getattr(exc, "cause", None) is not None else exc
+    if isinstance(cause, RayTaskError):
+        return _unwrap(cause)
+    return cause
+
+
+def _describe(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[-1] if text else ''}"[:2000]

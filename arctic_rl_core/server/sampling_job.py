@@ -1,0 +1,127 @@
+"""The sampling job: replicas of ``SamplingWorker``, load-balanced.
+
+Generate calls run concurrently (each replica serializes its own engine);
+weight loads, sleep and wake take the job exclusively, so no generate ever
+samples from half-loaded weights.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+
+import ray
+
+from arctic_rl_core.engines.sampling.protocol import SamplingEngineOptions, SamplingParams
+from arctic_rl_core.engines.sampling.worker import SamplingWorker
+from arctic_rl_core.ops import JobKind
+from arctic_rl_core.server.jobs import Job
+
+RemoteSamplingWorker = ray.remote(max_concurrency=4)(SamplingWorker)
+
+
+class SharedExclusiveLock:
+    """Many shared holders (generate) or one exclusive holder (weight load, sleep, wake)."""
+
+    def __init__(self):
+        self._shared = 0
+        self._exclusive = False
+        self._changed = asyncio.Condition()
+
+    @contextlib.asynccontextmanager
+    async def shared(self):
+        async with self._changed:
+            await self._changed.wait_for(lambda: not self._exclusive)
+            self._shared += 1
+        try:
+            yield
+        finally:
+            async with self._changed:
+                self._shared -= 1
+                self._changed.notify_all()
+
+    @contextlib.asynccontextmanager
+    async def exclusive(self):
+        async with self._changed:
+            await self._changed.wait_for(lambda: not self._exclusive and self._shared == 0)
+            self._exclusive = True
+        try:
+            yield
+        finally:
+            async with self._changed:
+                self._exclusive = False
+                self._changed.notify_all()
+
+
+class SamplingJob(Job):
+    kind = JobKind.SAMPLING
+
+    def __init__(self, job_id, slots, threads, model_name: str, engine: str, options: SamplingEngineOptions):
+        super().__init__(job_id, slots, threads)
+        self.model_name, self.engine, self.options = model_name, engine, options
+        self.lock = SharedExclusiveLock()
+        self._in_flight: list[int] = []
+
+    async def _create_workers(self) -> None:
+        self.workers = [
+            RemoteSamplingWorker.options(**slot.actor_options()).remote(
+                replica, self.model_name, self.engine, self.options, self.threads
+            )
+            for replica, slot in enumerate(self.slots)
+        ]
+        self._in_flight = [0] * len(self.workers)
+        await asyncio.gather(*[w.info.remote() for w in self.workers])
+
+    def _assign(self, count: int) -> list[tuple[int, int, int]]:
+        """(replica, start, stop) chunks: an even split, least-loaded replicas first."""
+        replicas = sorted(range(len(self.workers)), key=lambda r: self._in_flight[r])[: max(1, min(count, len(self.workers)))]
+        size, extra = divmod(count, len(replicas))
+        chunks, start = [], 0
+        for i, replica in enumerate(replicas):
+            stop = start + size + (1 if i < extra else 0)
+            chunks.append((replica, start, stop))
+            start = stop
+        return chunks
+
+    async def generate(
+        self, prompts: list[str] | None, sampling_params: SamplingParams, prompt_token_ids: list[list[int]] | None
+    ) -> list[dict]:
+        items = prompts if prompts is not None else prompt_token_ids
+        async with self.lock.shared():
+            chunks = self._assign(len(items))
+            refs = []
+            for replica, start, stop in chunks:
+                self._in_flight[replica] += stop - start
+                refs.append(
+                    self.workers[replica].generate.remote(
+                        prompts[start:stop] if prompts is not None else None,
+                        prompt_token_ids[start:stop] if prompt_token_ids is not None else None,
+                        sampling_params,
+                    )
+                )
+            try:
+                parts = await self.gather(refs)
+            finally:
+                for replica, start, stop in chunks:
+                    self._in_flight[replica] -= stop - start
+        return [result for part in parts for result in part]
+
+    async def load_weights_from_file(self, directory: str) -> list[dict]:
+        async with self.lock.exclusive():
+            return await self.call_all("load_weights_from_file", directory)
+
+    async def weight_norms(self) -> list[float]:
+        async with self.lock.exclusive():
+            return await self.call_all("weight_norm")
+
+    async def sleep_inference(self, level: int) -> dict:
+        async with self.lock.exclusive():
+            return {"replicas": await self.call_all("sleep", level)}
+
+    async def wake_inference(self, tags: list[str] | None) -> dict:
+        async with self.lock.exclusive():
+            return {"replicas": await self.call_all("wake", tags)}
+
+    async def reset_prefix_cache(self) -> dict:
+        async with self.lock.exclusive():
+            return {"replicas": await self.call_all("reset_prefix_cache")}
