@@ -77,13 +77,14 @@ class NativeEngine:
         self, prompt_token_ids: list[int], params: SamplingParams, request_id: Hashable | None = None
     ) -> Hashable:
         """Queue ``params.n`` completions of one prompt; returns the request id (generated when None)."""
+        self._require_awake()
         self._check_prompt(prompt_token_ids)
         if params.stop and self.tokenizer is None:
             raise ValueError(f"stop={params.stop!r} needs a tokenizer, and {self.config.model_path!r} has none")
         with self._lock:
             if request_id is None:
                 request_id = f"native-{next(self._auto_ids)}"
-            if request_id in self._requests or any(r == request_id for op, r in self._inbox if op == "add"):
+            if request_id in self._requests or any(op == "add" and arg[0] == request_id for op, arg in self._inbox):
                 raise ValueError(f"request_id={request_id!r} is already in flight")
             self._inbox.append(("add", (request_id, list(prompt_token_ids), params)))
         return request_id
@@ -214,16 +215,23 @@ class NativeEngine:
 
         Other requests in flight advance too; their outputs are kept for the next ``step()``.
         """
+        for prompt in prompt_token_ids:
+            self._check_prompt(prompt)
         ids = [self.add_request(prompt, params) for prompt in prompt_token_ids]
         pending = set(ids)
         results: dict[Hashable, list[Completion]] = {}
-        while pending:
-            for out in self._step():
-                if out.request_id in pending:
-                    pending.discard(out.request_id)
-                    results[out.request_id] = out.completions
-                else:
-                    self._undelivered.append(out)
+        try:
+            while pending:
+                for out in self._step():
+                    if out.request_id in pending:
+                        pending.discard(out.request_id)
+                        results[out.request_id] = out.completions
+                    else:
+                        self._undelivered.append(out)
+        except BaseException:
+            for request_id in pending:
+                self.abort_request(request_id)
+            raise
         return [results[i] for i in ids]
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]] | str | os.PathLike) -> None:

@@ -1,0 +1,66 @@
+"""Kernel work plans: every query reads each of its KV positions exactly once, through the right block table."""
+
+import numpy as np
+import pytest
+
+from arctic_rl_core.zorro.attention.forest import PrefixForest, build_forest
+from arctic_rl_core.zorro.attention.plan import (
+    DIRECT,
+    KV_END,
+    KV_START,
+    PARTIAL_ROW,
+    QUERY_COUNT,
+    QUERY_OFFSET,
+    TABLE_ROW,
+    TileShape,
+    plan_decode,
+    plan_prefill,
+)
+
+BS = 4
+TABLES = [[0, 1, 2, 3, 20], [0, 1, 2, 3, 21, 22], [0, 1, 2, 4, 23], [0, 1, 2, 5, 24], [0, 1, 6, 25], [40, 41]]
+LENGTHS = [18, 21, 17, 19, 13, 6]
+
+
+def _coverage(plan, num_queries):
+    """Per query: the sorted (table row's block prefix, position) pairs it reads, and its partial count."""
+    seen = [[] for _ in range(num_queries)]
+    for item in np.concatenate([plan.wide_items, plan.narrow_items]):
+        queries = plan.query_index[item[QUERY_OFFSET] : item[QUERY_OFFSET] + item[QUERY_COUNT]]
+        for i, q in enumerate(queries):
+            for pos in range(item[KV_START], item[KV_END]):
+                seen[q].append((TABLES[item[TABLE_ROW]][pos // BS], pos))
+            if item[PARTIAL_ROW] != DIRECT:
+                lo, hi = plan.merge_offsets[q], plan.merge_offsets[q + 1]
+                assert item[PARTIAL_ROW] + i in plan.merge_rows[lo:hi]
+    return [sorted(s) for s in seen]
+
+
+@pytest.mark.parametrize("target_items", [1, 16, 200])
+def test_decode_plan_reads_each_position_once_through_a_table_that_holds_it(target_items):
+    forest = build_forest(TABLES, LENGTHS, BS)
+    plan = plan_decode(forest, LENGTHS, TileShape(3), target_items=target_items)
+    for q, reads in enumerate(_coverage(plan, len(TABLES))):
+        assert reads == [(TABLES[q][pos // BS], pos) for pos in range(LENGTHS[q])]
+
+
+def test_a_tight_capacity_grows_the_chunks_until_the_plan_fits():
+    forest = PrefixForest.unshared(3)
+    lengths = [640, 640, 600]
+    loose = plan_decode(forest, lengths, TileShape(3), target_items=200)
+    tight = plan_decode(forest, lengths, TileShape(3), target_items=200, max_items=12, max_partial_rows=40)
+    assert loose.num_items > 12 >= tight.num_items and tight.num_partial_rows <= 40
+    with pytest.raises(ValueError, match="capacity"):
+        plan_decode(forest, lengths, TileShape(3), target_items=200, max_items=2)
+
+
+def test_prefill_plan_writes_directly_and_covers_each_query_up_to_its_position():
+    query_lens, lengths = [19, 7, 1], [23, 7, 3]
+    plan = plan_prefill(query_lens, lengths, TileShape(7))
+    assert (plan.wide_items[:, PARTIAL_ROW] == DIRECT).all() and (plan.narrow_items[:, PARTIAL_ROW] == DIRECT).all()
+    covered = np.zeros(sum(query_lens), dtype=int)
+    for item in np.concatenate([plan.wide_items, plan.narrow_items]):
+        queries = plan.query_index[item[QUERY_OFFSET] : item[QUERY_OFFSET] + item[QUERY_COUNT]]
+        covered[queries] += 1
+        assert item[KV_START] == 0
+    assert (covered == 1).all()

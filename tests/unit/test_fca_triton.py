@@ -1,0 +1,103 @@
+"""The fused Triton attention kernel, run by Triton's interpreter on CPU, equals the torch reference.
+
+Covers Forest Cascade decode (1-3 levels, ragged suffixes, KV split into
+chunks), plain decode, and causal prefill after a cached prefix, with GQA.
+"""
+
+import importlib
+import os
+
+import pytest
+import torch
+
+from arctic_rl_core.zorro.attention.forest import PrefixForest, build_forest
+from arctic_rl_core.zorro.attention.plan import TileShape, plan_decode, plan_prefill
+from arctic_rl_core.zorro.attention.reference import paged_decode_attention, paged_prefill_attention
+
+MODULE = "arctic_rl_core.zorro.attention.triton_attention"
+BS, HKV, D = 4, 2, 16
+SCALE = D**-0.5
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    """The kernel module as the interpreter runs it; restored to compiled kernels afterwards."""
+    previous = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1"
+    module = importlib.reload(importlib.import_module(MODULE))
+    yield module
+    if previous is None:
+        del os.environ["TRITON_INTERPRET"]
+    else:
+        os.environ["TRITON_INTERPRET"] = previous
+    importlib.reload(module)
+
+
+def _setup(tables, group, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    k_cache = torch.randn(48, BS, HKV, D, generator=g)
+    v_cache = torch.randn(48, BS, HKV, D, generator=g)
+    width = max(map(len, tables))
+    block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
+    return k_cache, v_cache, block_tables, g
+
+
+def _run(kernel, plan, q, k_cache, v_cache, block_tables, positions, tiles):
+    device_plan = kernel.DevicePlan.from_plan(plan, "cpu")
+    workspace = kernel.Workspace.allocate(plan.num_partial_rows, q.shape[1], D, "cpu")
+    out = torch.full_like(q, float("nan"))  # every row must be written
+    return kernel.paged_attention(q, k_cache, v_cache, block_tables, positions, device_plan, workspace, SCALE, tiles,
+                                  out=out)  # fmt: skip
+
+
+THREE_LEVELS = (
+    [[0, 1, 2, 3, 20, 26], [0, 1, 2, 3, 21], [0, 1, 2, 4, 23], [0, 1, 2, 5, 24], [0, 1, 6, 25], [40, 41]],
+    [22, 17, 19, 18, 14, 5],
+)
+
+
+@pytest.mark.parametrize("group", [1, 3])
+@pytest.mark.parametrize("target_items", [1, 64])  # 64: contexts split into 64-position chunks, merged
+def test_cascade_decode_kernel_equals_plain_attention(kernel, group, target_items):
+    tables, lengths = THREE_LEVELS
+    forest = build_forest(tables, lengths, BS)
+    assert forest.num_levels == 3
+    k_cache, v_cache, block_tables, g = _setup(tables, group)
+    q = torch.randn(len(tables), HKV * group, D, generator=g)
+    # Narrow tiles of 4 rows (interpreter only; GPUs need 16) so that groups exercise both tile widths.
+    tiles = TileShape(group, wide_rows=32, narrow_rows=4)
+    plan = plan_decode(forest, lengths, tiles, target_items=target_items)
+    assert len(plan.wide_items) > 0
+    assert any(count > 1 for count in plan.narrow_items[:, 1]) or group > 1
+    positions = torch.tensor([n - 1 for n in lengths], dtype=torch.int32)
+    out = _run(kernel, plan, q, k_cache, v_cache, block_tables, positions, tiles)
+    expected = paged_decode_attention(q, k_cache, v_cache, block_tables, lengths, SCALE)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_plain_decode_kernel_with_split_contexts_equals_reference(kernel):
+    tables = [[3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21], [30, 31]]
+    lengths = [73, 6]
+    k_cache, v_cache, block_tables, g = _setup(tables, 2)
+    q = torch.randn(2, HKV * 2, D, generator=g)
+    tiles = TileShape(2)
+    plan = plan_decode(PrefixForest.unshared(2), lengths, tiles, target_items=8)
+    assert len(plan.merge_rows) == 2  # the long context is split in two 64-position chunks
+    out = _run(kernel, plan, q, k_cache, v_cache, block_tables, torch.tensor([72, 5], dtype=torch.int32), tiles)
+    expected = paged_decode_attention(q, k_cache, v_cache, block_tables, lengths, SCALE)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_prefill_kernel_is_causal_after_a_cached_prefix(kernel):
+    tables = [[3, 4, 5, 6, 7, 8], [9, 10], [11]]
+    query_lens, lengths = [19, 7, 1], [23, 7, 3]  # request 0 has 4 cached positions, request 2 has 2
+    k_cache, v_cache, block_tables, g = _setup(tables, 3)
+    q = torch.randn(sum(query_lens), HKV * 3, D, generator=g)
+    positions = torch.tensor(
+        [p for n, length in zip(query_lens, lengths) for p in range(length - n, length)], dtype=torch.int32
+    )
+    tiles = TileShape(3)
+    plan = plan_prefill(query_lens, lengths, tiles)
+    out = _run(kernel, plan, q, k_cache, v_cache, block_tables, positions, tiles)
+    expected = paged_prefill_attention(q, k_cache, v_cache, block_tables, query_lens, lengths, SCALE)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)

@@ -1,0 +1,44 @@
+"""Sampling on raw logits: top-k / top-p floors, seeded Gumbel noise, raw log-probs."""
+
+import torch
+
+from arctic_rl_core.engines.sampling.native import ops
+from arctic_rl_core.engines.sampling.native.sampler import min_logits, noise_key, row_key
+
+
+def test_top_k_keeps_the_k_largest_logits():
+    logits = torch.tensor([[0.0, 3.0, 1.0, 2.0, -1.0]])
+    floor = min_logits(logits, torch.tensor([1.0]), torch.tensor([2]), torch.tensor([1.0]))
+    assert floor.tolist() == [2.0]
+
+
+def test_top_p_keeps_the_smallest_set_whose_mass_reaches_p_at_the_sampling_temperature():
+    probs = torch.tensor([[0.5, 0.3, 0.15, 0.05]])
+    logits = probs.log()
+    keep_two = min_logits(logits, torch.tensor([1.0]), torch.tensor([-1]), torch.tensor([0.8]))
+    assert torch.allclose(keep_two, logits[0, 1])
+    # At a high temperature the distribution flattens: 0.8 of the mass needs three tokens.
+    keep_three = min_logits(logits, torch.tensor([5.0]), torch.tensor([-1]), torch.tensor([0.8]))
+    assert torch.allclose(keep_three, logits[0, 2])
+
+
+def test_samples_stay_inside_the_floor_and_follow_the_softmax():
+    logits = torch.tensor([[2.0, 1.0, 0.0, -9.0]]).repeat(4000, 1)
+    keys = torch.tensor([row_key(noise_key(s), 0) for s in range(4000)])
+    floor = torch.full((4000,), 0.0)
+    banned = torch.full((4000, 1), 1, dtype=torch.int32)
+    tokens, logprobs = ops.sample_tokens(logits, torch.ones(4000), floor, keys, banned)
+    counts = torch.bincount(tokens, minlength=4).tolist()
+    assert counts[1] == counts[3] == 0  # banned, and below the floor
+    share = counts[0] / 4000  # e^2 / (e^2 + e^0) with token 1 banned
+    assert abs(share - 0.8808) < 0.03
+    raw = torch.log_softmax(logits[0], -1)
+    assert torch.allclose(logprobs[tokens == 0], raw[0]) and torch.allclose(logprobs[tokens == 2], raw[2])
+
+
+def test_noise_is_a_function_of_key_and_step_only():
+    a = ops.gumbel_noise(torch.tensor([row_key(noise_key(7), 3), row_key(noise_key(8), 3)]), 50)
+    b = ops.gumbel_noise(torch.tensor([row_key(noise_key(7), 3)]), 50)
+    assert torch.equal(a[0], b[0])
+    assert not torch.equal(a[0], a[1])
+    assert row_key(noise_key(7), 3) != row_key(noise_key(7), 4)

@@ -1,0 +1,74 @@
+"""The engine's fused Triton kernels, run by Triton's interpreter on CPU, equal their torch twins in ``ops``."""
+
+import importlib
+import os
+
+import pytest
+import torch
+
+from arctic_rl_core.engines.sampling.native import ops
+
+MODULE = "arctic_rl_core.engines.sampling.native.triton_ops"
+
+
+@pytest.fixture(scope="module")
+def kernels():
+    """The kernel module as the interpreter runs it; restored to compiled kernels afterwards."""
+    previous = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1"
+    module = importlib.reload(importlib.import_module(MODULE))
+    yield module
+    if previous is None:
+        del os.environ["TRITON_INTERPRET"]
+    else:
+        os.environ["TRITON_INTERPRET"] = previous
+    importlib.reload(module)
+
+
+def test_fused_residual_rms_norm_matches_torch(kernels):
+    g = torch.Generator().manual_seed(0)
+    x, residual, weight = torch.randn(5, 96, generator=g), torch.randn(5, 96, generator=g), torch.randn(96, generator=g)
+    for res in (None, residual):
+        expected = ops.rms_norm(x, weight, 1e-6, None if res is None else res.clone())
+        actual = kernels.rms_norm(x, weight, 1e-6, None if res is None else res.clone())
+        torch.testing.assert_close(actual[0], expected[0])
+        torch.testing.assert_close(actual[1], expected[1])
+
+
+@pytest.mark.parametrize("qk_norm", [False, True])
+def test_rotary_and_cache_write_match_torch_and_skip_padding_slots(kernels, qk_norm):
+    g = torch.Generator().manual_seed(1)
+    heads, kv_heads, dim = 4, 2, 16
+    qkv = torch.randn(6, (heads + 2 * kv_heads) * dim, generator=g)
+    positions = torch.tensor([0, 3, 5, 7, 1, 2])
+    freqs = torch.arange(16).float()[:, None] / (10000 ** (torch.arange(0, dim, 2).float() / dim))
+    norms = (torch.randn(dim, generator=g), torch.randn(dim, generator=g)) if qk_norm else (None, None)
+    slots = torch.tensor([3, -1, 7, 8, 0, 15])
+    caches = [torch.zeros(4, 4, kv_heads, dim) for _ in range(4)]
+    q_ref = ops.rotary_and_store(qkv, positions, freqs.cos(), freqs.sin(), *norms, 1e-6, caches[0], caches[1],
+                                 slots, heads, kv_heads)  # fmt: skip
+    q_tri = kernels.rotary_and_store(qkv, positions.int(), freqs.cos(), freqs.sin(), *norms, 1e-6, caches[2],
+                                     caches[3], slots, heads, kv_heads)  # fmt: skip
+    torch.testing.assert_close(q_tri, q_ref)
+    torch.testing.assert_close(caches[2], caches[0])
+    torch.testing.assert_close(caches[3], caches[1])
+    assert caches[2].flatten(0, 1)[[1, 2, 4, 5, 6]].abs().sum() == 0  # untouched slots stay zero
+
+
+def test_silu_and_mul_matches_torch(kernels):
+    gate_up = torch.randn(3, 100, generator=torch.Generator().manual_seed(2))
+    torch.testing.assert_close(kernels.silu_and_mul(gate_up), ops.silu_and_mul(gate_up))
+
+
+def test_sampling_kernel_picks_the_same_tokens_and_logprobs_as_torch(kernels):
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(4, 5000, generator=g) * 3
+    temperature = torch.tensor([0.0, 1.0, 0.7, 1.3])
+    min_logit = torch.tensor([float("-inf"), float("-inf"), 1.0, float("-inf")])
+    keys = torch.tensor([1, 2, 3, 2**31 + 5])
+    banned = torch.tensor([[-1, -1], [5, int(logits[1].argmax())], [-1, -1], [-1, -1]], dtype=torch.int32)
+    expected = ops.sample_tokens(logits, temperature, min_logit, keys, banned)
+    actual = kernels.sample_tokens(logits, temperature, min_logit, keys, banned)
+    assert actual[0].tolist() == expected[0].tolist()
+    torch.testing.assert_close(actual[1], expected[1])
+    assert actual[0][0] == logits[0].argmax()
