@@ -1,4 +1,4 @@
-"""What the vLLM backend adds to the shared contract: fused-module loads, failed loads, its prefix cache, CPU sleep."""
+"""What the vLLM backend adds to the shared contract: fused modules, streamed and failed loads, prefix cache, CPU sleep."""
 
 import pytest
 import torch
@@ -55,7 +55,9 @@ def scaled(hf_model, names: list[str], factor: float) -> list[tuple[str, torch.T
 
 def test_vllm_reuses_cached_prompt_blocks_until_a_load_resets_them(backend, hf_model):
     backend.load_weights(hf_model.named_parameters())
-    cached = lambda: backend.llm.generate([{"prompt_token_ids": PROMPT}], use_tqdm=False)[0].num_cached_tokens  # noqa: E731
+
+    def cached() -> int:
+        return backend.llm.generate([{"prompt_token_ids": PROMPT}], use_tqdm=False)[0].num_cached_tokens
 
     cached()
     assert cached() > 0
@@ -70,13 +72,33 @@ def test_a_load_may_replace_whole_modules_only(backend, hf_model):
     assert matches_hf(backend, hf_model)
 
 
-def test_a_load_touching_part_of_a_fused_module_is_rejected_before_reaching_vllm(backend, hf_model):
+def test_parts_of_a_fused_module_wait_for_the_rest_before_reaching_vllm(backend, hf_model):
     backend.load_weights(hf_model.named_parameters())
-    part = scaled(hf_model, ["model.layers.0.self_attn.q_proj.bias"], 2.0)
+    q, k, v = ([f"model.layers.0.self_attn.{p}_proj.{kind}" for kind in ("weight", "bias")] for p in "qkv")
 
-    with pytest.raises(ValueError, match="k_proj.bias"):
-        backend.load_weights(part)
-    hf_model.get_parameter("model.layers.0.self_attn.q_proj.bias").data.div_(2.0)
+    backend.load_weights(scaled(hf_model, q, 2.0))
+    with pytest.raises(RuntimeError, match=r"incomplete.*k_proj\.bias"):
+        backend.generate([PROMPT], GREEDY)
+
+    backend.load_weights(scaled(hf_model, k + v, 2.0))
+    assert matches_hf(backend, hf_model)
+
+
+def test_a_sync_streamed_in_buckets_that_split_fused_modules_lands_whole(backend, hf_model):
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for param in hf_model.parameters():
+            param.mul_(0.9).add_(0.01 * torch.randn(param.shape, generator=gen))
+    named = [(name, param.detach().clone()) for name, param in hf_model.named_parameters()]
+    norm = sum(float(t.double().pow(2).sum()) for _, t in named) ** 0.5
+
+    for start in range(0, len(named), 4):  # buckets of 4 tensors cut q/k/v and gate/up apart
+        bucket = named[start : start + 4]
+        backend.load_weights(bucket)
+        for _, tensor in bucket:
+            tensor.zero_()  # the sync reuses its bucket buffers
+
+    assert backend.weight_norm() == pytest.approx(norm, rel=1e-9)
     assert matches_hf(backend, hf_model)
 
 

@@ -56,7 +56,8 @@ def test_completion_tokens_are_scored_given_their_prompt_with_sorted_top_k(engin
         assert result["prompt_token_ids"] == prompt_ids
         assert result["token_ids"] == result["completion_token_ids"] == completion_ids
         reference = hf_log_softmax(hf_model, prompt_ids + completion_ids)
-        for i, (token, logprob, top) in enumerate(zip(completion_ids, result["token_log_probs"], result["top_log_probs"])):
+        scored = zip(completion_ids, result["token_log_probs"], result["top_log_probs"])
+        for i, (token, logprob, top) in enumerate(scored):
             row = reference[len(prompt_ids) - 1 + i]
             assert logprob == pytest.approx(row[token].item(), abs=TOL)
             assert [t for t, _ in top] == row.topk(3).indices.tolist()
@@ -72,7 +73,8 @@ def test_without_completions_every_prompt_token_after_the_first_is_scored(engine
     reference = hf_log_softmax(hf_model, ids)
     assert result["token_ids"] == ids[1:]
     assert "top_log_probs" not in result
-    assert result["token_log_probs"] == pytest.approx([reference[t, ids[t + 1]].item() for t in range(len(ids) - 1)], abs=TOL)
+    want = [reference[t, ids[t + 1]].item() for t in range(len(ids) - 1)]
+    assert result["token_log_probs"] == pytest.approx(want, abs=TOL)
 
 
 def test_shifted_layout_matches_hf_for_left_and_right_padded_rows(engine, hf_model):

@@ -30,9 +30,11 @@ class VLLMLogProbEngine:
         self.backend = VLLMBackend(model_path, options)
 
     def log_probs(self, prompts: list[str], completions: list[str] | None = None, top_k: int = 1) -> list[dict]:
-        """Log-probs of each completion's tokens given its prompt; of the prompt's own tokens when ``completions`` is None."""
+        """Log-probs of each completion's tokens given its prompt (of the prompt's own when ``completions`` is None)."""
         if completions is not None and len(completions) != len(prompts):
-            raise ValueError(f"completions has {len(completions)} entries for {len(prompts)} prompts; pass one per prompt")
+            raise ValueError(
+                f"completions has {len(completions)} entries for {len(prompts)} prompts; pass one per prompt"
+            )
         tokenizer = self.backend.tokenizer
         prompt_ids = [tokenizer(p)["input_ids"] for p in prompts]
         completion_ids = [tokenizer(c, add_special_tokens=False)["input_ids"] for c in completions or []]

@@ -14,11 +14,18 @@ over them (load balancing) is the server's job, not the backend's.
 - ``worker_ops``: what runs inside vLLM's workers.
 - ``selection``: ``sampling_engine: auto`` -> a backend class.
 
-Importing this package does not import vLLM.
+Importing this package does not import vLLM; building a backend does.
 """
 
 from arctic_rl_core.engines.sampling.vllm.backend import PromptLogProbs, VLLMBackend
 from arctic_rl_core.engines.sampling.vllm.engine_args import num_replicas, vllm_engine_kwargs
 from arctic_rl_core.engines.sampling.vllm.selection import select_sampling_backend, vllm_supports
 
-__all__ = ["VLLMBackend", "PromptLogProbs", "num_replicas", "select_sampling_backend", "vllm_engine_kwargs", "vllm_supports"]
+__all__ = [
+    "PromptLogProbs",
+    "VLLMBackend",
+    "num_replicas",
+    "select_sampling_backend",
+    "vllm_engine_kwargs",
+    "vllm_supports",
+]

@@ -53,8 +53,11 @@ class VLLMBackend:
         for worker_modules in self.llm.collective_rpc(worker_ops.hf_names_by_module):
             self._hf_names_by_module.update(worker_modules)
         self._module_of = {name: module for module, names in self._hf_names_by_module.items() for name in names}
-        # Set when weights are not usable: discarded by sleep(level=2) or half-written by a failed load.
-        self._weights_unusable: str | None = None
+        # Parts of modules whose other parts have not arrived yet (a sync may stream buckets).
+        self._pending: dict[str, dict[str, torch.Tensor]] = {}
+        # Modules whose weights are not usable, and why: discarded by sleep(level=2) or a failed load.
+        self._stale: set[str] = set()
+        self._stale_reason = ""
         self._asleep = False
 
     @property
@@ -117,15 +120,34 @@ class VLLMBackend:
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Replace parameters by HF name, then reset the prefix cache (its KV came from the old weights).
 
-        vLLM fuses q/k/v and gate/up projections; a load touching one part of
-        a fused module must carry all of them, since the module is rebuilt
-        from what the load brings.
+        A sync may call this once per bucket. vLLM rebuilds a module from what
+        one reload brings, so a module's tensors (all of q/k/v or gate/up where
+        vLLM fuses them, weight and bias) go to vLLM together: parts that
+        arrive before the rest are held back, copied, since a sync may reuse
+        its bucket buffers. Until the rest arrives, generation refuses to run.
         """
-        weights = list(weights)
-        self._check_whole_modules([name for name, _ in weights])
-        self._weights_unusable = "the last load_weights failed part way; load the full set of weights again"
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
-        self._weights_unusable = None
+        ready, arrived = [], {}
+        for name, tensor in weights:
+            module = self._module_of.get(name)
+            if module is None:
+                ready.append((name, tensor))  # vLLM's loader knows it (e.g. a tied lm_head) or names it in an error
+            else:
+                arrived.setdefault(module, {})[name] = tensor
+        for module, parts in arrived.items():
+            parts = {**self._pending.pop(module, {}), **parts}
+            if parts.keys() >= set(self._hf_names_by_module[module]):
+                ready.extend(parts.items())
+            else:
+                self._pending[module] = {name: tensor.clone() for name, tensor in parts.items()}
+        if not ready:
+            return
+        loaded = {self._module_of[name] for name, _ in ready if name in self._module_of}
+        try:
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": ready})
+        except Exception:
+            self._mark_stale("the last load_weights failed part way; load the full set of weights again")
+            raise
+        self._stale -= loaded
         self.reset_prefix_cache()
 
     def weight_norm(self) -> float:
@@ -152,7 +174,7 @@ class VLLMBackend:
         self.llm.sleep(level=level)
         self._asleep = True
         if level == 2:
-            self._weights_unusable = "sleep(level=2) discarded the weights; load_weights after wake"
+            self._mark_stale("sleep(level=2) discarded them; load_weights after wake")
         return {
             "slept": True,
             "level": level,
@@ -192,24 +214,27 @@ class VLLMBackend:
 
         return current_platform.is_sleep_mode_available() and self.llm.llm_engine.model_config.enable_sleep_mode
 
+    def _mark_stale(self, reason: str) -> None:
+        self._stale = set(self._hf_names_by_module)
+        self._stale_reason = reason
+
     def _check_ready(self) -> None:
         if not hasattr(self, "llm"):
             raise RuntimeError("the vLLM engine was shut down")
         if self._asleep:
             raise RuntimeError("the vLLM engine is asleep; wake it first")
-        if self._weights_unusable:
-            raise RuntimeError(f"the vLLM engine has no usable weights: {self._weights_unusable}")
-
-    def _check_whole_modules(self, names: list[str]) -> None:
-        given = set(names)
-        for module in sorted({self._module_of[name] for name in given if name in self._module_of}):
-            parts = self._hf_names_by_module[module]
-            missing = [name for name in parts if name not in given]
-            if missing:
-                raise ValueError(
-                    f"load_weights: vLLM builds {module} from {parts} together; the weights miss {missing}. "
-                    "Send every part of a fused module in the same load."
-                )
+        if self._stale:
+            raise RuntimeError(
+                f"the vLLM engine has no usable weights for {len(self._stale)} modules (e.g. {min(self._stale)}): "
+                f"{self._stale_reason}"
+            )
+        if self._pending:
+            module, parts = next(iter(self._pending.items()))
+            missing = sorted(set(self._hf_names_by_module[module]) - parts.keys())
+            raise RuntimeError(
+                f"load_weights is incomplete: {module} got {sorted(parts)} and still needs {missing} "
+                "(vLLM loads a fused module's parts together)"
+            )
 
 
 def _check_prompts(prompt_token_ids: list[list[int]]) -> None:

@@ -29,6 +29,9 @@ ARCTIC_KEYS = ("zorro_inference", "spec_model")
 # and top-p/top-k, which is vLLM's "raw_logprobs"; the backend owns this choice.
 FIXED_ENGINE_ARGS = {"logprobs_mode": "raw_logprobs"}
 
+# Set by the caller of the backend, never through vllm_config.
+RESERVED_ENGINE_ARGS = {"model": "the model comes from model_name"}
+
 CPU_KV_CACHE_BYTES = 1 << 30
 
 FCA_NEEDS_ARCTIC_INFERENCE = (
@@ -83,12 +86,14 @@ def fca_requested(options: SamplingEngineOptions) -> bool:
     """``arctic_inference_config.use_fca`` (an option field) or ``zorro_inference.enable`` (left in extra)."""
     zorro = options.extra.get("zorro_inference") or {}
     if not isinstance(zorro, dict):
-        raise ValueError(f"arctic_inference_config.zorro_inference must be a dict like {{'enable': True}}, got {zorro!r}")
+        raise ValueError(
+            f"arctic_inference_config.zorro_inference must be a dict like {{'enable': True}}, got {zorro!r}"
+        )
     return bool(options.use_fca or zorro.get("enable", False))
 
 
 def accepted_engine_args() -> set[str]:
-    """Names ``vllm.LLM`` accepts: its own parameters plus every ``EngineArgs`` field (ArcticInference's too, once loaded)."""
+    """Names ``vllm.LLM`` accepts: its parameters and ``EngineArgs`` fields (ArcticInference's too, once loaded)."""
     from vllm import LLM
     from vllm.engine.arg_utils import EngineArgs
 
@@ -135,6 +140,8 @@ def vllm_engine_kwargs(options: SamplingEngineOptions) -> dict:
         kwargs.update(_cpu_defaults(options, extra))
 
     for name, value in extra.items():
+        if name in RESERVED_ENGINE_ARGS:
+            raise ValueError(f"vllm_config.{name} cannot be set: {RESERVED_ENGINE_ARGS[name]}")
         if name in FIXED_ENGINE_ARGS and value != FIXED_ENGINE_ARGS[name]:
             raise ValueError(
                 f"vllm_config.{name}={value!r} is not supported: the sampling protocol defines log-probs on the "
@@ -175,7 +182,11 @@ def _cpu_defaults(options: SamplingEngineOptions, extra: dict) -> dict:
 
 
 def _arctic_inference_kwargs(options: SamplingEngineOptions, kwargs: dict) -> dict:
-    """Engine arguments that turn on ArcticInference's FCA / speculative decoding, when it can run."""
+    """Engine arguments that turn on ArcticInference's FCA / speculative decoding, when it can run.
+
+    Where it can, this enables the ArcticInference vLLM plugin for the
+    process (``ARCTIC_INFERENCE_ENABLED=1``, read by vLLM's workers too).
+    """
     want_fca = fca_requested(options)
     spec_model = options.extra.get("spec_model")
     if not (want_fca or spec_model):
@@ -184,7 +195,7 @@ def _arctic_inference_kwargs(options: SamplingEngineOptions, kwargs: dict) -> di
         if want_fca:
             logger.info(FCA_NEEDS_ARCTIC_INFERENCE)
         if spec_model:
-            logger.info("spec_model=%r ignored: ArcticInference speculative decoding needs arctic_inference on CUDA", spec_model)
+            logger.info("spec_model=%r ignored: speculative decoding needs arctic_inference on CUDA", spec_model)
         return {}
 
     # The plugin patches vllm.EngineArgs to accept its fields; it loads only
