@@ -7,7 +7,8 @@ They differ only in how the selected hidden states are computed:
 - plain: ``arctic_rl_core.models.forward.selected_hidden_states``, the engine's
   padded forward (SDPA);
 - zorro: ``arctic_rl_core.zorro.train.selected_hidden_states``, the prefix forest
-  packed once (FlexAttention on CUDA), its planning included in the timing.
+  packed once (FlashAttention varlen on CUDA in bf16 by default; ``--kernel flex``
+  for FlexAttention), its planning included in the timing.
 
 Reported per configuration: time per step, peak memory, their ratios, the
 relative difference of the parameter gradients, and as its yardstick the bf16
@@ -57,7 +58,7 @@ TINY = dict(
     rms_norm_eps=1e-6,
     tie_word_embeddings=True,
 )
-HEAD_CHUNK_ROWS = 4096
+HEAD_CHUNK_ROWS = 1024
 CLIP = 0.2
 
 
@@ -194,7 +195,10 @@ def on_off(flag: bool) -> str:
     return "on" if flag else "off"
 
 
-def run_case(model, case: Case, device, warmup: int, iters: int, profile: bool) -> None:
+def run_case(model, case: Case, device, warmup: int, iters: int, profile: bool, kernel: str) -> None:
+    def zorro(*args):
+        return zorro_train.selected_hidden_states(*args, kernel=kernel)
+
     batch = grpo_batch(case, model.config.vocab_size, device)
     plan_start = time.perf_counter()
     stats = zorro_train.build_prefix_forest(*batch[:3]).stats
@@ -217,11 +221,11 @@ def run_case(model, case: Case, device, warmup: int, iters: int, profile: bool) 
     for i, checkpointing in enumerate(case.zorro_checkpointing):
         set_checkpointing(model, checkpointing)
         # One more warm-up: the first call compiles FlexAttention for this shape.
-        zorro_s, zorro_mem = measure(model, zorro_train.selected_hidden_states, batch, device, warmup + 1, iters)
-        step(model, zorro_train.selected_hidden_states, batch)
+        zorro_s, zorro_mem = measure(model, zorro, batch, device, warmup + 1, iters)
+        step(model, zorro, batch)
         diff = rel_diff(flat_grads(model), plain_grads)
-        kernel = "flex" if device.type == "cuda" else "masked sdpa"
-        label = f"zorro, prefix forest ({kernel}), checkpointing {on_off(checkpointing)}"
+        used = kernel if kernel != "auto" else zorro_train.default_kernel(device, model.dtype)
+        label = f"zorro, prefix forest ({used}), checkpointing {on_off(checkpointing)}"
         print(f"   {label:<58}: {zorro_s * 1e3:8.1f} ms  {memory(zorro_mem)}")
         targets = i == 0
         line = f"      speedup {plain_s / zorro_s:.2f}x" + (
@@ -236,7 +240,7 @@ def run_case(model, case: Case, device, warmup: int, iters: int, profile: bool) 
               f"{noise:.2e})" if device.type == "cuda" else f"      gradient rel. diff vs plain: {diff:.2e} "
               f"(plain 2 micro-batches vs 1: {noise:.2e})")
         if profile:
-            print_profile("zorro", kernel_profile(model, zorro_train.selected_hidden_states, batch))
+            print_profile("zorro", kernel_profile(model, zorro, batch))
     model.zero_grad(set_to_none=True)
 
 
@@ -255,6 +259,7 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--iters", type=int, default=3)
     parser.add_argument("--no-profile", action="store_true", help="skip the per-kernel time breakdown (CUDA)")
+    parser.add_argument("--kernel", default="auto", choices=("auto", "varlen", "flex", "dense"))
     args = parser.parse_args()
 
     device = torch.device("cuda" if torch.cuda.is_available() and not args.tiny else "cpu")
@@ -268,7 +273,8 @@ def main() -> None:
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
     print(f"{name} on {where}; torch {torch.__version__}")
     for case in TINY_CASES if args.tiny else GPU_CASES:
-        run_case(model, case, device, args.warmup, args.iters, profile=device.type == "cuda" and not args.no_profile)
+        profile = device.type == "cuda" and not args.no_profile
+        run_case(model, case, device, args.warmup, args.iters, profile=profile, kernel=args.kernel)
 
 
 if __name__ == "__main__":

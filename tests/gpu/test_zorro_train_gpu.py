@@ -1,4 +1,4 @@
-"""ZoRRo Train on CUDA: the compiled FlexAttention path returns the plain forward's rows and gradients."""
+"""ZoRRo Train on CUDA: FlashAttention varlen and compiled FlexAttention compute the forest's exact attention."""
 
 import pytest
 import torch
@@ -7,7 +7,7 @@ from transformers import AutoModelForCausalLM
 from arctic_rl_core.models.forward import lm_head
 from arctic_rl_core.models.forward import selected_hidden_states as plain_selected_hidden_states
 from arctic_rl_core.models.tiny import TinySpec, build_tiny_model
-from arctic_rl_core.zorro.train import build_prefix_forest, selected_hidden_states
+from arctic_rl_core.zorro.train import ForestAttention, build_prefix_forest, selected_hidden_states
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -55,3 +55,26 @@ def test_compiled_flex_forest_matches_the_plain_forward_in_fp32(tmp_path):
     torch.testing.assert_close(rows, plain_rows, rtol=1e-4, atol=1e-4 * plain_rows.abs().max().item())
     for name, grad in plain_grads.items():
         torch.testing.assert_close(grads[name], grad, rtol=1e-4, atol=1e-4 * grad.abs().max().item(), msg=name)
+
+
+@pytest.mark.parametrize("window", [None, 100])
+def test_varlen_flash_kernel_matches_the_dense_forest_attention_and_its_gradients(window):
+    forest = build_prefix_forest(*forest_batch(torch.device("cpu")))
+    assert int(forest.positions.max()) > 4 * 100
+    cuda = torch.device("cuda")
+    length = len(forest.token_ids)
+    gen = torch.Generator(device=cuda).manual_seed(0)
+    inputs = [
+        torch.randn(1, heads, length, 64, device=cuda, generator=gen, dtype=torch.bfloat16).requires_grad_()
+        for heads in (4, 2, 2)
+    ]
+    grad_out = torch.randn(1, length, 4, 64, device=cuda, generator=gen, dtype=torch.bfloat16)
+
+    out = ForestAttention(forest, "varlen", cuda)(*inputs, scaling=0.125, sliding_window=window)
+    grads = torch.autograd.grad(out, inputs, grad_out)
+    reference_inputs = [t.detach().float().requires_grad_() for t in inputs]
+    reference = ForestAttention(forest, "dense", cuda)(*reference_inputs, scaling=0.125, sliding_window=window)
+    reference_grads = torch.autograd.grad(reference, reference_inputs, grad_out.float())
+
+    for name, got, want in zip(("out", "dq", "dk", "dv"), (out, *grads), (reference, *reference_grads)):
+        torch.testing.assert_close(got.float(), want, rtol=2e-2, atol=2e-2 * want.abs().max().item(), msg=name)

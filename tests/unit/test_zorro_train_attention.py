@@ -1,10 +1,13 @@
-"""The forest's attention masks: the FlexAttention block mask encodes exactly the dense pattern."""
+"""The forest's attention under each kernel's layout: block mask and varlen sequences encode the dense pattern."""
 
 import pytest
 import torch
+import torch.nn.functional as F
 
-from arctic_rl_core.zorro.train import ForestAttention, build_prefix_forest
-from arctic_rl_core.zorro.train.attention import FLEX_BLOCK, pad_for_kernel
+from arctic_rl_core.zorro.train import ForestAttention, VarlenLayout, build_prefix_forest
+from arctic_rl_core.zorro.train.attention import FLEX_BLOCK
+
+CPU = torch.device("cpu")
 
 
 def grpo_forest(groups: int, prompt: int, samples: int, response: int):
@@ -17,11 +20,6 @@ def grpo_forest(groups: int, prompt: int, samples: int, response: int):
     select = torch.zeros_like(input_ids, dtype=torch.bool)
     select[:, prompt - 1 : -1] = True
     return build_prefix_forest(input_ids, torch.ones_like(input_ids), select)
-
-
-def attention_for(forest, kernel):
-    _, positions, subtree_end = pad_for_kernel(forest.token_ids, forest.positions, forest.subtree_end, kernel)
-    return ForestAttention(positions, subtree_end, kernel, max_position=int(forest.positions.max()))
 
 
 def expand_block_mask(block_mask) -> torch.Tensor:
@@ -47,8 +45,8 @@ def expand_block_mask(block_mask) -> torch.Tensor:
 @pytest.mark.parametrize("window", [None, 150])
 def test_block_mask_expands_to_the_dense_forest_mask(window):
     forest = grpo_forest(groups=2, prompt=300, samples=3, response=90)
-    dense = attention_for(forest, "dense").mask_for(window)[0, 0]
-    blocks = attention_for(forest, "flex").mask_for(window)
+    dense = ForestAttention(forest, "dense", CPU).mask_for(window)[0, 0]
+    blocks = ForestAttention(forest, "flex", CPU).mask_for(window)
     expanded = expand_block_mask(blocks)
     length = len(forest.token_ids)
     assert torch.equal(expanded[:length, :length], dense)
@@ -58,7 +56,7 @@ def test_block_mask_expands_to_the_dense_forest_mask(window):
 
 def test_block_mask_skips_blocks_of_other_samples_and_runs_shared_prompt_blocks_unmasked():
     forest = grpo_forest(groups=1, prompt=512, samples=4, response=257)
-    blocks = attention_for(forest, "flex").mask
+    blocks = ForestAttention(forest, "flex", CPU).mask
     total = blocks.kv_num_blocks.shape[-1] ** 2
     listed = int(blocks.kv_num_blocks.sum() + blocks.full_kv_num_blocks.sum())
     # Causal attention over the packed sequence would list more than half the blocks; the forest far fewer.
@@ -68,5 +66,54 @@ def test_block_mask_skips_blocks_of_other_samples_and_runs_shared_prompt_blocks_
 
 
 def test_window_wider_than_every_row_reuses_the_full_mask():
-    attention = attention_for(grpo_forest(groups=1, prompt=20, samples=2, response=5), "dense")
+    attention = ForestAttention(grpo_forest(groups=1, prompt=20, samples=2, response=5), "dense", CPU)
     assert attention.mask_for(4096) is attention.mask
+
+
+def varlen_reference(q, k, v, layout: VarlenLayout, window):
+    """FlashAttention varlen semantics, one sequence at a time: causal aligned to the bottom right, GQA."""
+    out = torch.empty_like(q)
+    cu_q, cu_k = layout.cu_seq_q.tolist(), layout.cu_seq_k.tolist()
+    for s in range(len(cu_q) - 1):
+        lq, lk = cu_q[s + 1] - cu_q[s], cu_k[s + 1] - cu_k[s]
+        i = torch.arange(lq)[:, None] + (lk - lq)
+        j = torch.arange(lk)[None, :]
+        allowed = (j <= i) & (i - j < window if window is not None else True)
+        segment = [t.transpose(0, 1) for t in (q[cu_q[s] : cu_q[s + 1]], k[cu_k[s] : cu_k[s + 1]], v[cu_k[s] : cu_k[s + 1]])]
+        out[cu_q[s] : cu_q[s + 1]] = F.scaled_dot_product_attention(*segment, attn_mask=allowed, enable_gqa=True).transpose(0, 1)
+    return out
+
+
+@pytest.mark.parametrize("window", [None, 7])
+def test_varlen_sequences_over_gathered_ancestors_give_the_dense_forest_attention(window):
+    # A shared system prompt, two questions, three samples each, and a row that ends inside another's history.
+    gen = torch.Generator().manual_seed(0)
+    system = torch.randint(3, 1000, (12,), generator=gen).tolist()
+    rows = []
+    for question in (5, 9):
+        prompt = system + torch.randint(3, 1000, (question,), generator=gen).tolist()
+        rows += [(prompt, torch.randint(3, 1000, (n,), generator=gen).tolist()) for n in (4, 7, 6)]
+    rows.append((system[:8], system[8:] + [1]))
+    width = max(len(p) + len(r) for p, r in rows)
+    input_ids = torch.zeros(len(rows), width, dtype=torch.long)
+    attention_mask = torch.zeros_like(input_ids)
+    select = torch.zeros_like(input_ids, dtype=torch.bool)
+    for b, (prompt, response) in enumerate(rows):
+        input_ids[b, : len(prompt) + len(response)] = torch.tensor(prompt + response)
+        attention_mask[b, : len(prompt) + len(response)] = 1
+        select[b, len(prompt) - 1 : len(prompt) + len(response) - 1] = True
+    forest = build_prefix_forest(input_ids, attention_mask, select)
+    length = len(forest.token_ids)
+    q, k, v = torch.randn(length, 4, 16), torch.randn(length, 2, 16), torch.randn(length, 2, 16)
+
+    layout = VarlenLayout.of(forest)
+    gathered = varlen_reference(q, k[layout.key_index], v[layout.key_index], layout, window)
+    dense = ForestAttention(forest, "dense", CPU)
+    expected = dense(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], sliding_window=window)
+    torch.testing.assert_close(gathered, expected[0])
+    assert layout.max_k == int(forest.positions.max()) + 1
+
+
+def test_varlen_kernel_is_refused_off_cuda():
+    with pytest.raises(ValueError, match="varlen kernel .* needs a CUDA device"):
+        ForestAttention(grpo_forest(groups=1, prompt=20, samples=2, response=5), "varlen", CPU)

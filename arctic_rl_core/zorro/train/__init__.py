@@ -11,7 +11,7 @@ returns, with equal values and gradients, for any HF decoder whose attention
 implementation is ``sdpa`` or ``flex_attention``.
 """
 
-from arctic_rl_core.zorro.train.attention import ForestAttention, enable_forest_attention
+from arctic_rl_core.zorro.train.attention import ForestAttention, VarlenLayout, default_kernel, enable_forest_attention
 from arctic_rl_core.zorro.train.forest import ForestNode, ForestStats, PrefixForest, build_prefix_forest
 from arctic_rl_core.zorro.train.forward import packed_selected_hidden_states, selected_hidden_states
 
@@ -20,7 +20,9 @@ __all__ = [
     "ForestNode",
     "ForestStats",
     "PrefixForest",
+    "VarlenLayout",
     "build_prefix_forest",
+    "default_kernel",
     "enable_forest_attention",
     "packed_selected_hidden_states",
     "selected_hidden_states",

@@ -8,20 +8,27 @@ attends over the forest; every other call goes to the base implementation
 unchanged. The switch is made once and stays, because gradient checkpointing
 re-runs the layers during backward, after the packed forward has returned.
 
-Two kernels compute the same pattern (``q`` sees ``k`` iff ``k <= q < subtree_end[k]``,
+Three kernels compute the same pattern (``q`` sees ``k`` iff ``k <= q < subtree_end[k]``,
 within the layer's sliding window if it has one):
+- ``varlen``: FlashAttention-2 varlen (CUDA, fp16/bf16). Each forest node is one
+  sequence whose queries are its own tokens and whose keys are its ancestors'
+  tokens followed by its own, gathered per layer (K/V are small under GQA);
+  causal attention aligned to the bottom right is then exactly the forest's
+  pattern, and only the needed query-key pairs are computed.
 - ``flex``: FlexAttention with a block mask built from the forest's block structure,
   so key blocks no query of a block can see (another sample's response) are
   skipped and fully visible blocks (a shared prompt) run without a mask.
-  Compiled on CUDA; elsewhere torch runs its exact, unfused reference.
+  Compiled on CUDA (any dtype); elsewhere torch runs its exact, unfused reference.
 - ``dense``: SDPA with the [L, L] boolean mask; the CPU path.
 """
 
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 from typing import Callable, Literal
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -31,9 +38,10 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMa
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from arctic_rl_core.models.forward import decoder_body
+from arctic_rl_core.zorro.train.forest import PrefixForest
 
-Kernel = Literal["flex", "dense"]
-KERNELS = ("flex", "dense")
+Kernel = Literal["varlen", "flex", "dense"]
+KERNELS = ("varlen", "flex", "dense")
 
 # The keyword under which the packed forward hands its ForestAttention to every attention layer.
 FOREST_ATTENTION_KWARG = "zorro_forest_attention"
@@ -44,32 +52,79 @@ BASE_IMPLEMENTATIONS = ("sdpa", "flex_attention")
 FLEX_BLOCK = 128
 
 
-class ForestAttention:
-    """The attention pattern of one packed forest, as the masks each kernel needs (built once per window)."""
+def default_kernel(device: torch.device, dtype: torch.dtype) -> Kernel:
+    """FlashAttention varlen where it runs (CUDA, half precision), FlexAttention on other CUDA dtypes, else SDPA."""
+    if device.type != "cuda":
+        return "dense"
+    return "varlen" if dtype in (torch.float16, torch.bfloat16) else "flex"
 
-    def __init__(self, positions: torch.Tensor, subtree_end: torch.Tensor, kernel: Kernel, max_position: int):
+
+@dataclass(frozen=True)
+class VarlenLayout:
+    """Each forest node as one varlen sequence: its tokens as queries; its ancestors' tokens, then its own, as keys."""
+
+    key_index: torch.Tensor  # packed index of every key, node after node
+    cu_seq_q: torch.Tensor  # int32 [nodes + 1]
+    cu_seq_k: torch.Tensor  # int32 [nodes + 1]
+    max_q: int
+    max_k: int
+
+    @classmethod
+    def of(cls, forest: PrefixForest) -> VarlenLayout:
+        chains: list[np.ndarray] = []
+        for node in forest.nodes:  # in packed order, so every parent's chain is already there
+            own = np.arange(node.offset, node.offset + node.length)
+            chains.append(own if node.parent < 0 else np.concatenate([chains[node.parent], own]))
+        q_lengths = np.array([node.length for node in forest.nodes])
+        k_lengths = np.array([len(chain) for chain in chains])
+        return cls(
+            key_index=torch.from_numpy(np.concatenate(chains)),
+            cu_seq_q=torch.from_numpy(np.concatenate([[0], np.cumsum(q_lengths)]).astype(np.int32)),
+            cu_seq_k=torch.from_numpy(np.concatenate([[0], np.cumsum(k_lengths)]).astype(np.int32)),
+            max_q=int(q_lengths.max()),
+            max_k=int(k_lengths.max()),
+        )
+
+    def to(self, device: torch.device) -> VarlenLayout:
+        return VarlenLayout(
+            self.key_index.to(device), self.cu_seq_q.to(device), self.cu_seq_k.to(device), self.max_q, self.max_k
+        )
+
+
+class ForestAttention:
+    """One packed forest, ready for the decoder: its tokens, positions, and attention under the chosen kernel."""
+
+    def __init__(self, forest: PrefixForest, kernel: Kernel, device: torch.device):
         if kernel not in KERNELS:
             raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
-        if kernel == "flex" and len(positions) % FLEX_BLOCK:
-            raise ValueError(f"the flex kernel needs a length that is a multiple of {FLEX_BLOCK}, got {len(positions)}")
-        self.positions = positions
-        self.subtree_end = subtree_end
+        if kernel == "varlen" and device.type != "cuda":
+            raise ValueError(f"the varlen kernel (FlashAttention) needs a CUDA device, got {device}")
+        token_ids, positions, subtree_end = _pad_for_kernel(forest, kernel)
         self.kernel = kernel
-        self.max_position = max_position
+        self.token_ids = token_ids.to(device)
+        self.positions = positions.to(device)
+        self.subtree_end = subtree_end.to(device)
+        self.max_position = int(forest.positions.max())
+        self._varlen = VarlenLayout.of(forest).to(device) if kernel == "varlen" else None
         self._masks: dict[int | None, torch.Tensor | BlockMask] = {}
 
     @property
     def mask(self) -> torch.Tensor | BlockMask:
-        """The full-attention mask; HF passes a 4D mask or BlockMask through to the layers as is."""
+        """What the decoder gets as ``attention_mask``: HF passes any 4D mask or BlockMask to the layers as is."""
+        if self.kernel == "varlen":
+            return self.token_ids.new_zeros((1, 1, 0, 0), dtype=torch.bool)  # the layout, not a mask, decides
         return self.mask_for(None)
 
     def mask_for(self, sliding_window: int | None) -> torch.Tensor | BlockMask:
-        # A window no wider than the longest row never cuts anything off.
-        window = sliding_window if sliding_window is not None and self.max_position >= sliding_window else None
+        window = self._binding(sliding_window)
         if window not in self._masks:
             build = _forest_block_mask if self.kernel == "flex" else _forest_dense_mask
             self._masks[window] = build(self.positions, self.subtree_end, window)
         return self._masks[window]
+
+    def _binding(self, sliding_window: int | None) -> int | None:
+        # A window no wider than the longest row never cuts anything off.
+        return sliding_window if sliding_window is not None and self.max_position >= sliding_window else None
 
     def __call__(
         self,
@@ -89,6 +144,8 @@ class ForestAttention:
             raise ValueError(f"ZoRRo Train needs attention dropout 0 (exact prefix sharing), got {dropout}")
         if softcap is not None or s_aux is not None:
             raise ValueError("ZoRRo Train supports neither attention logit soft-capping nor attention sinks")
+        if self.kernel == "varlen":
+            return self._varlen_attention(query, key, value, scaling, self._binding(sliding_window))
         mask = self.mask_for(sliding_window)
         gqa = query.shape[1] != key.shape[1]
         if self.kernel == "flex":
@@ -98,19 +155,30 @@ class ForestAttention:
             out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scaling, enable_gqa=gqa)
         return out.transpose(1, 2).contiguous()
 
+    def _varlen_attention(self, query, key, value, scaling, window):
+        layout = self._varlen
+        q = query[0].transpose(0, 1).contiguous()
+        k = key[0].transpose(0, 1).index_select(0, layout.key_index)
+        v = value[0].transpose(0, 1).index_select(0, layout.key_index)
+        # FlashAttention counts the window's keys besides the query's own.
+        window_args = {} if window is None else {"window_size_left": window - 1, "window_size_right": 0}
+        out = torch.ops.aten._flash_attention_forward(
+            q, k, v, layout.cu_seq_q, layout.cu_seq_k, layout.max_q, layout.max_k,
+            0.0, True, False, scale=scaling, **window_args,
+        )[0]
+        return out[None]
 
-def pad_for_kernel(
-    token_ids: torch.Tensor, positions: torch.Tensor, subtree_end: torch.Tensor, kernel: Kernel
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Pad the packed sequence to the kernel's block; each pad token attends only to itself."""
-    length = len(token_ids)
+
+def _pad_for_kernel(forest: PrefixForest, kernel: Kernel) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Pad the packed sequence to FlexAttention's block; each pad token attends only to itself."""
+    length = len(forest.token_ids)
     pad = (-length) % FLEX_BLOCK if kernel == "flex" else 0
     if not pad:
-        return token_ids, positions, subtree_end
+        return forest.token_ids, forest.positions, forest.subtree_end
     return (
-        F.pad(token_ids, (0, pad)),
-        F.pad(positions, (0, pad)),
-        torch.cat([subtree_end, torch.arange(length + 1, length + pad + 1, dtype=subtree_end.dtype)]),
+        F.pad(forest.token_ids, (0, pad)),
+        F.pad(forest.positions, (0, pad)),
+        torch.cat([forest.subtree_end, torch.arange(length + 1, length + pad + 1)]),
     )
 
 

@@ -118,12 +118,16 @@ def _validate(input_ids: torch.Tensor, attention_mask: torch.Tensor, select: tor
         raise ValueError(f"input_ids must hold integer token ids, got dtype {input_ids.dtype}")
     if select.dtype != torch.bool:
         raise ValueError(f"select must be a bool mask, got dtype {select.dtype}")
-    if input_ids.numel() and int(input_ids.min()) < 0:
-        raise ValueError(f"input_ids must be non-negative token ids, got min {int(input_ids.min())}")
-    if ((attention_mask != 0) & (attention_mask != 1)).any():
+
+
+def _validate_values(ids: np.ndarray, mask: np.ndarray, chosen: np.ndarray) -> None:
+    if ids.size and ids.min() < 0:
+        raise ValueError(f"input_ids must be non-negative token ids, got min {ids.min()}")
+    if ((mask != 0) & (mask != 1)).any():
         raise ValueError("attention_mask must hold only 0 and 1")
-    if (select & (attention_mask == 0)).any():
-        b, t = (select & (attention_mask == 0)).nonzero()[0].tolist()
+    outside = chosen & (mask == 0)
+    if outside.any():
+        b, t = np.argwhere(outside)[0].tolist()
         raise ValueError(f"select marks padding at row {b}, position {t}; it must be a subset of attention_mask")
 
 
@@ -136,20 +140,21 @@ def build_prefix_forest(
     must lie inside it. Runs on the CPU in O(B log B + B * T).
     """
     _validate(input_ids, attention_mask, select)
-    ids = input_ids.detach().to("cpu", torch.int64)
-    real = attention_mask.detach().to("cpu").bool()
-    chosen = select.detach().to("cpu")
+    ids = input_ids.detach().to("cpu", torch.int64).numpy()
+    mask = attention_mask.detach().to("cpu").numpy()
+    chosen = select.detach().to("cpu").numpy()
+    _validate_values(ids, mask, chosen)
+    real = mask.astype(bool)
 
     # Each row as its real tokens up to its last selected one, plus its selected depths.
     rows: list[np.ndarray] = []
     picked: list[np.ndarray] = []
     for b in range(ids.shape[0]):
-        depths = chosen[b][real[b]].nonzero().flatten().numpy()
+        depths = np.flatnonzero(chosen[b][real[b]])
         cut = int(depths[-1]) + 1 if depths.size else 0
-        rows.append(ids[b][real[b]][:cut].numpy())
+        rows.append(ids[b][real[b]][:cut])
         picked.append(depths)
 
-    # Big-endian bytes sort like the token sequences themselves, a prefix before its extensions.
     order = sorted((b for b in range(len(rows)) if len(rows[b])), key=lambda b: rows[b].astype(">i8").tobytes())
 
     nodes: list[_OpenNode] = []
@@ -208,7 +213,7 @@ def build_prefix_forest(
     )
     stats = ForestStats(
         rows=ids.shape[0],
-        tokens_padded=ids.numel(),
+        tokens_padded=ids.size,
         tokens_real=int(real.sum()),
         tokens_needed=sum(len(r) for r in rows),
         tokens_packed=cursor,

@@ -21,14 +21,15 @@ from arctic_rl_core.models.forward import selected_hidden_states as plain_select
 from arctic_rl_core.zorro.train.attention import (
     FOREST_ATTENTION_KWARG,
     ForestAttention,
+    Kernel,
+    default_kernel,
     enable_forest_attention,
-    pad_for_kernel,
 )
 from arctic_rl_core.zorro.train.forest import PrefixForest, build_prefix_forest
 
 logger = logging.getLogger(__name__)
 
-KERNEL_CHOICES = ("auto", "flex", "dense")
+KERNEL_CHOICES = ("auto", "varlen", "flex", "dense")
 
 
 def selected_hidden_states(
@@ -39,14 +40,14 @@ def selected_hidden_states(
     *,
     min_shared_tokens: int = 16,
     forest: PrefixForest | None = None,
-    kernel: Literal["auto", "flex", "dense"] = "auto",
+    kernel: Literal["auto", "varlen", "flex", "dense"] = "auto",
 ) -> torch.Tensor:
     """Final hidden states at ``select`` (a [B, T] bool mask), as [N, H] rows in row-major order.
 
     Batches that share fewer than ``min_shared_tokens`` tokens run the plain
     padded forward. Pass ``forest`` (from ``build_prefix_forest`` on the same
-    tensors) to reuse one built for metrics. ``kernel="auto"`` uses FlexAttention
-    on CUDA and masked SDPA elsewhere.
+    tensors) to reuse one built for metrics. ``kernel="auto"`` uses FlashAttention
+    varlen on CUDA in fp16/bf16, FlexAttention on CUDA in fp32, masked SDPA elsewhere.
     """
     if min_shared_tokens < 0:
         raise ValueError(f"min_shared_tokens must be >= 0, got {min_shared_tokens}")
@@ -65,24 +66,20 @@ def selected_hidden_states(
         return plain_selected_hidden_states(model, input_ids, attention_mask, select)
     device = input_ids.device
     if kernel == "auto":
-        kernel = "flex" if device.type == "cuda" else "dense"
+        kernel = default_kernel(device, decoder_body(model).dtype)
     return packed_selected_hidden_states(model, forest, device, kernel)
 
 
 def packed_selected_hidden_states(
-    model: nn.Module, forest: PrefixForest, device: torch.device, kernel: Literal["flex", "dense"]
+    model: nn.Module, forest: PrefixForest, device: torch.device, kernel: Kernel
 ) -> torch.Tensor:
     """Run the packed forest through the decoder body and return its selected rows."""
     enable_forest_attention(model)
-    token_ids, positions, subtree_end = pad_for_kernel(forest.token_ids, forest.positions, forest.subtree_end, kernel)
-    positions = positions.to(device)
-    attention = ForestAttention(
-        positions, subtree_end.to(device), kernel, max_position=int(forest.positions.max())
-    )
+    attention = ForestAttention(forest, kernel, device)
     out = decoder_body(model)(
-        input_ids=token_ids.to(device)[None],
+        input_ids=attention.token_ids[None],
         attention_mask=attention.mask,
-        position_ids=positions[None],
+        position_ids=attention.positions[None],
         use_cache=False,
         **{FOREST_ATTENTION_KWARG: attention},
     )
