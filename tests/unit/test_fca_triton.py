@@ -2,10 +2,16 @@
 
 Covers Forest Cascade decode (1-3 levels, ragged suffixes, KV split into
 chunks), plain decode, and causal prefill after a cached prefix, with GQA.
+Triton picks interpreter or compiler when it is first imported, so the checks
+run in a fresh Python with ``TRITON_INTERPRET=1``; each test reads its result.
 """
 
 import importlib
+import json
 import os
+import subprocess
+import sys
+import traceback
 
 import pytest
 import torch
@@ -14,23 +20,12 @@ from arctic_rl_core.zorro.attention.forest import PrefixForest, build_forest
 from arctic_rl_core.zorro.attention.plan import TileShape, plan_decode, plan_prefill
 from arctic_rl_core.zorro.attention.reference import paged_decode_attention, paged_prefill_attention
 
-MODULE = "arctic_rl_core.zorro.attention.triton_attention"
 BS, HKV, D = 4, 2, 16
 SCALE = D**-0.5
 
 
-@pytest.fixture(scope="module")
-def kernel():
-    """The kernel module as the interpreter runs it; restored to compiled kernels afterwards."""
-    previous = os.environ.get("TRITON_INTERPRET")
-    os.environ["TRITON_INTERPRET"] = "1"
-    module = importlib.reload(importlib.import_module(MODULE))
-    yield module
-    if previous is None:
-        del os.environ["TRITON_INTERPRET"]
-    else:
-        os.environ["TRITON_INTERPRET"] = previous
-    importlib.reload(module)
+def _kernel():
+    return importlib.import_module("arctic_rl_core.zorro.attention.triton_attention")
 
 
 def _setup(tables, group, seed=0):
@@ -56,9 +51,8 @@ THREE_LEVELS = (
 )
 
 
-@pytest.mark.parametrize("group", [1, 3])
-@pytest.mark.parametrize("target_items", [1, 64])  # 64: contexts split into 64-position chunks, merged
-def test_cascade_decode_kernel_equals_plain_attention(kernel, group, target_items):
+def check_cascade_decode_kernel_equals_plain_attention(group, target_items):
+    kernel = _kernel()
     tables, lengths = THREE_LEVELS
     forest = build_forest(tables, lengths, BS)
     assert forest.num_levels == 3
@@ -75,7 +69,8 @@ def test_cascade_decode_kernel_equals_plain_attention(kernel, group, target_item
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
 
 
-def test_plain_decode_kernel_with_split_contexts_equals_reference(kernel):
+def check_plain_decode_kernel_with_split_contexts_equals_reference():
+    kernel = _kernel()
     tables = [[3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21], [30, 31]]
     lengths = [73, 6]
     k_cache, v_cache, block_tables, g = _setup(tables, 2)
@@ -88,7 +83,8 @@ def test_plain_decode_kernel_with_split_contexts_equals_reference(kernel):
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
 
 
-def test_prefill_kernel_is_causal_after_a_cached_prefix(kernel):
+def check_prefill_kernel_is_causal_after_a_cached_prefix():
+    kernel = _kernel()
     tables = [[3, 4, 5, 6, 7, 8], [9, 10], [11]]
     query_lens, lengths = [19, 7, 1], [23, 7, 3]  # request 0 has 4 cached positions, request 2 has 2
     k_cache, v_cache, block_tables, g = _setup(tables, 3)
@@ -101,3 +97,36 @@ def test_prefill_kernel_is_causal_after_a_cached_prefix(kernel):
     out = _run(kernel, plan, q, k_cache, v_cache, block_tables, positions, tiles)
     expected = paged_prefill_attention(q, k_cache, v_cache, block_tables, query_lens, lengths, SCALE)
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+
+
+CHECKS = {
+    # target_items 64: contexts split into 64-position chunks, then merged
+    **{f"cascade_decode[group={g},target={t}]": (check_cascade_decode_kernel_equals_plain_attention, (g, t))
+       for g in (1, 3) for t in (1, 64)},  # fmt: skip
+    "plain_decode_split": (check_plain_decode_kernel_with_split_contexts_equals_reference, ()),
+    "prefill_causal": (check_prefill_kernel_is_causal_after_a_cached_prefix, ()),
+}
+
+
+@pytest.fixture(scope="module")
+def interpreted():
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    proc = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("name", CHECKS)
+def test_kernel_under_the_interpreter(interpreted, name):
+    assert interpreted[name] == "ok", interpreted[name]
+
+
+if __name__ == "__main__":
+    results = {}
+    for check_name, (check, check_args) in CHECKS.items():
+        try:
+            check(*check_args)
+            results[check_name] = "ok"
+        except Exception:
+            results[check_name] = traceback.format_exc()
+    print(json.dumps(results))

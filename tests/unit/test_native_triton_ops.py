@@ -1,31 +1,29 @@
-"""The engine's fused Triton kernels, run by Triton's interpreter on CPU, equal their torch twins in ``ops``."""
+"""The engine's fused Triton kernels, run by Triton's interpreter on CPU, equal their torch twins in ``ops``.
+
+Triton picks interpreter or compiler when it is first imported, so the checks
+run in a fresh Python with ``TRITON_INTERPRET=1``; each test reads its result.
+"""
 
 import importlib
+import json
 import os
+import subprocess
+import sys
+import traceback
 
 import pytest
 import torch
 
 from arctic_rl_core.engines.sampling.native import ops
 
-MODULE = "arctic_rl_core.engines.sampling.native.triton_ops"
 
 
-@pytest.fixture(scope="module")
-def kernels():
-    """The kernel module as the interpreter runs it; restored to compiled kernels afterwards."""
-    previous = os.environ.get("TRITON_INTERPRET")
-    os.environ["TRITON_INTERPRET"] = "1"
-    module = importlib.reload(importlib.import_module(MODULE))
-    yield module
-    if previous is None:
-        del os.environ["TRITON_INTERPRET"]
-    else:
-        os.environ["TRITON_INTERPRET"] = previous
-    importlib.reload(module)
+def _kernels():
+    return importlib.import_module("arctic_rl_core.engines.sampling.native.triton_ops")
 
 
-def test_fused_residual_rms_norm_matches_torch(kernels):
+def check_fused_residual_rms_norm_matches_torch():
+    kernels = _kernels()
     g = torch.Generator().manual_seed(0)
     x, residual, weight = torch.randn(5, 96, generator=g), torch.randn(5, 96, generator=g), torch.randn(96, generator=g)
     for res in (None, residual):
@@ -35,8 +33,8 @@ def test_fused_residual_rms_norm_matches_torch(kernels):
         torch.testing.assert_close(actual[1], expected[1])
 
 
-@pytest.mark.parametrize("qk_norm", [False, True])
-def test_rotary_and_cache_write_match_torch_and_skip_padding_slots(kernels, qk_norm):
+def check_rotary_and_cache_write_match_torch_and_skip_padding_slots(qk_norm):
+    kernels = _kernels()
     g = torch.Generator().manual_seed(1)
     heads, kv_heads, dim = 4, 2, 16
     qkv = torch.randn(6, (heads + 2 * kv_heads) * dim, generator=g)
@@ -55,12 +53,14 @@ def test_rotary_and_cache_write_match_torch_and_skip_padding_slots(kernels, qk_n
     assert caches[2].flatten(0, 1)[[1, 2, 4, 5, 6]].abs().sum() == 0  # untouched slots stay zero
 
 
-def test_silu_and_mul_matches_torch(kernels):
+def check_silu_and_mul_matches_torch():
+    kernels = _kernels()
     gate_up = torch.randn(3, 100, generator=torch.Generator().manual_seed(2))
     torch.testing.assert_close(kernels.silu_and_mul(gate_up), ops.silu_and_mul(gate_up))
 
 
-def test_sampling_kernel_picks_the_same_tokens_and_logprobs_as_torch(kernels):
+def check_sampling_kernel_picks_the_same_tokens_and_logprobs_as_torch():
+    kernels = _kernels()
     g = torch.Generator().manual_seed(3)
     logits = torch.randn(4, 5000, generator=g) * 3
     temperature = torch.tensor([0.0, 1.0, 0.7, 1.3])
@@ -72,3 +72,36 @@ def test_sampling_kernel_picks_the_same_tokens_and_logprobs_as_torch(kernels):
     assert actual[0].tolist() == expected[0].tolist()
     torch.testing.assert_close(actual[1], expected[1])
     assert actual[0][0] == logits[0].argmax()
+
+
+CHECKS = {
+    "rms_norm": (check_fused_residual_rms_norm_matches_torch, ()),
+    "rotary_store": (check_rotary_and_cache_write_match_torch_and_skip_padding_slots, (False,)),
+    "rotary_store_qk_norm": (check_rotary_and_cache_write_match_torch_and_skip_padding_slots, (True,)),
+    "silu_and_mul": (check_silu_and_mul_matches_torch, ()),
+    "sampling": (check_sampling_kernel_picks_the_same_tokens_and_logprobs_as_torch, ()),
+}
+
+
+@pytest.fixture(scope="module")
+def interpreted():
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    proc = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("name", CHECKS)
+def test_kernel_under_the_interpreter(interpreted, name):
+    assert interpreted[name] == "ok", interpreted[name]
+
+
+if __name__ == "__main__":
+    results = {}
+    for check_name, (check, check_args) in CHECKS.items():
+        try:
+            check(*check_args)
+            results[check_name] = "ok"
+        except Exception:
+            results[check_name] = traceback.format_exc()
+    print(json.dumps(results))

@@ -74,57 +74,79 @@ class AttentionPlan:
         return len(self.wide_items) + len(self.narrow_items)
 
 
-@dataclass(frozen=True)
-class _Segment:
-    queries: tuple[int, ...]
-    table_row: int
-    start: int
-    end: int
+@dataclass
+class _Tiles:
+    """Tiles of queries over KV ranges, as arrays: tile ``t`` is ``queries[offset[t]:offset[t] + count[t]]``."""
+
+    queries: np.ndarray
+    offset: np.ndarray
+    count: np.ndarray
+    table_row: np.ndarray
+    start: np.ndarray
+    end: np.ndarray
+
+    @classmethod
+    def build(cls, groups: list[tuple[Sequence[int], int, int, int]], singles: tuple[np.ndarray, ...]) -> "_Tiles":
+        """From multi-query tiles ``(queries, table_row, start, end)`` and single-query arrays (query, row, start, end)."""
+        single_q, single_row, single_start, single_end = singles
+        counts = np.array([len(g[0]) for g in groups] + [1] * len(single_q), dtype=np.int64)
+        return cls(
+            queries=np.concatenate([np.fromiter((q for g in groups for q in g[0]), dtype=np.int64), single_q]),
+            offset=np.cumsum(counts) - counts,
+            count=counts,
+            table_row=np.concatenate([np.array([g[1] for g in groups], dtype=np.int64), single_row]),
+            start=np.concatenate([np.array([g[2] for g in groups], dtype=np.int64), single_start]),
+            end=np.concatenate([np.array([g[3] for g in groups], dtype=np.int64), single_end]),
+        )
 
 
 def _round_up(x: int, multiple: int) -> int:
     return -(-x // multiple) * multiple
 
 
-def _emit(segments: list[tuple[_Segment, int]], num_queries: int, tiles: TileShape) -> AttentionPlan:
-    """Items of ``(segment, chunk)`` pairs: tiles of queries times chunks of positions, longest first."""
-    pieces = []
-    for seg, chunk in segments:
-        width = tiles.narrow_queries if len(seg.queries) <= tiles.narrow_queries else tiles.wide_queries
-        for q0 in range(0, len(seg.queries), width):
-            queries = seg.queries[q0 : q0 + width]
-            for kv0 in range(seg.start, seg.end, chunk):
-                pieces.append((queries, seg.table_row, kv0, min(kv0 + chunk, seg.end)))
-    pieces.sort(key=lambda p: p[2] - p[3])  # longest first balances the persistent kernel's programs
+def _split_members(members: Sequence[int], tiles: TileShape) -> list[Sequence[int]]:
+    width = tiles.narrow_queries if len(members) <= tiles.narrow_queries else tiles.wide_queries
+    return [members[i : i + width] for i in range(0, len(members), width)]
 
-    items_per_query = [0] * num_queries
-    for queries, *_ in pieces:
-        for q in queries:
-            items_per_query[q] += 1
 
-    wide, narrow, query_index = [], [], []
-    partials: list[list[int]] = [[] for _ in range(num_queries)]
-    num_rows = 0
-    for queries, table_row, kv0, kv1 in pieces:
-        direct = all(items_per_query[q] == 1 for q in queries)
-        row = DIRECT if direct else num_rows
-        if not direct:
-            for i, q in enumerate(queries):
-                partials[q].append(num_rows + i)
-            num_rows += len(queries)
-        item = (len(query_index), len(queries), table_row, kv0, kv1, row)
-        (narrow if len(queries) <= tiles.narrow_queries else wide).append(item)
-        query_index.extend(queries)
+def _emit(t: _Tiles, chunk: np.ndarray, num_queries: int, tiles: TileShape) -> AttentionPlan:
+    """Items of every tile times every ``chunk``-long slice of its KV range, longest first (vectorized)."""
+    n_chunks = -(-(t.end - t.start) // chunk)
+    tile_of = np.repeat(np.arange(len(n_chunks)), n_chunks)
+    k = np.arange(len(tile_of)) - np.repeat(np.cumsum(n_chunks) - n_chunks, n_chunks)
+    kv0 = t.start[tile_of] + k * chunk[tile_of]
+    kv1 = np.minimum(kv0 + chunk[tile_of], t.end[tile_of])
 
-    offsets = np.zeros(num_queries + 1, dtype=np.int32)
-    offsets[1:] = np.cumsum([len(p) for p in partials])
-    rows = np.fromiter((r for p in partials for r in p), dtype=np.int32, count=int(offsets[-1]))
+    # A query served by exactly one item is written directly; otherwise each of its items leaves a partial.
+    per_query = np.bincount(t.queries, weights=np.repeat(n_chunks, t.count), minlength=num_queries)
+    direct_tile = (
+        np.maximum.reduceat(per_query[t.queries], t.offset) == 1 if len(t.offset) else np.zeros(0, dtype=bool)
+    )
+    direct = direct_tile[tile_of]
+    rows = np.where(direct, 0, t.count[tile_of])
+    row_base = np.cumsum(rows) - rows
+
+    partial = np.flatnonzero(~direct)
+    widths = t.count[tile_of[partial]]
+    owner = np.repeat(partial, widths)
+    j = np.arange(len(owner)) - np.repeat(np.cumsum(widths) - widths, widths)
+    entry_query = t.queries[t.offset[tile_of[owner]] + j]
+    order = np.argsort(entry_query, kind="stable")
+    merge_offsets = np.zeros(num_queries + 1, dtype=np.int32)
+    merge_offsets[1:] = np.cumsum(np.bincount(entry_query, minlength=num_queries))
+
+    items = np.stack(
+        [t.offset[tile_of], t.count[tile_of], t.table_row[tile_of], kv0, kv1, np.where(direct, DIRECT, row_base)],
+        axis=1,
+    ).astype(np.int32)
+    items = items[np.argsort(kv0 - kv1, kind="stable")]  # longest first balances the persistent kernel's programs
+    wide = items[:, QUERY_COUNT] > tiles.narrow_queries
     return AttentionPlan(
-        wide_items=np.array(wide, dtype=np.int32).reshape(-1, ITEM_FIELDS),
-        narrow_items=np.array(narrow, dtype=np.int32).reshape(-1, ITEM_FIELDS),
-        query_index=np.array(query_index, dtype=np.int32),
-        merge_offsets=offsets,
-        merge_rows=rows,
+        wide_items=items[wide],
+        narrow_items=items[~wide],
+        query_index=t.queries.astype(np.int32),
+        merge_offsets=merge_offsets,
+        merge_rows=(row_base[owner] + j)[order].astype(np.int32),
     )
 
 
@@ -142,27 +164,27 @@ def plan_decode(
     (enough to fill the device); chunks grow until the plan fits the
     capacities of a captured graph's buffers.
     """
-    segments = [_Segment(p.members, p.source, p.start, p.end) for p in forest.prefixes]
-    segments += [
-        _Segment((r,), r, start, length)
-        for r, (start, length) in enumerate(zip(forest.suffix_starts, context_lens))
-        if start < length
+    groups = [
+        (members, p.source, p.start, p.end) for p in forest.prefixes for members in _split_members(p.members, tiles)
     ]
-    total = sum(s.end - s.start for s in segments)
+    lengths = np.asarray(context_lens, dtype=np.int64)
+    starts = np.asarray(forest.suffix_starts, dtype=np.int64)
+    own = np.flatnonzero(starts < lengths)
+    t = _Tiles.build(groups, (own, own, starts[own], lengths[own]))
+    total = int((t.end - t.start).sum())
     floor = max(KV_ALIGN, _round_up(-(-total // max(target_items, 1)), KV_ALIGN))
+    # A multi-query tile writes rows * head_dim partials per chunk: keep its chunks long enough to amortise that.
+    group_floor = -(-PARTIAL_WRITE_RATIO * t.count * tiles.group // KV_ALIGN) * KV_ALIGN
+    longest = int((t.end - t.start).max(initial=0))
     while True:
-        chunked = []
-        for seg in segments:
-            rows = min(len(seg.queries), tiles.wide_queries) * tiles.group
-            chunk = floor if len(seg.queries) == 1 else max(floor, _round_up(PARTIAL_WRITE_RATIO * rows, KV_ALIGN))
-            chunked.append((seg, chunk))
-        plan = _emit(chunked, len(context_lens), tiles)
+        chunk = np.where(t.count == 1, floor, np.maximum(floor, group_floor))
+        plan = _emit(t, chunk, len(lengths), tiles)
         fits = (max_items is None or plan.num_items <= max_items) and (
             max_partial_rows is None or plan.num_partial_rows <= max_partial_rows
         )
         if fits:
             return plan
-        if floor >= max((s.end - s.start for s in segments), default=0):
+        if floor >= longest:
             raise ValueError(
                 f"decode plan needs {plan.num_items} items and {plan.num_partial_rows} partial rows even unsplit; "
                 f"capacity is {max_items} and {max_partial_rows}"
@@ -177,14 +199,11 @@ def plan_prefill(query_lens: Sequence[int], context_lens: Sequence[int], tiles: 
     masks the later ones per query. Nothing is split, so every item writes
     its output directly.
     """
-    segments = []
+    groups = []
     offset = 0
     for r, (n_new, length) in enumerate(zip(query_lens, context_lens)):
-        width = tiles.narrow_queries if n_new <= tiles.narrow_queries else tiles.wide_queries
-        for q0 in range(0, n_new, width):
-            q1 = min(q0 + width, n_new)
-            queries = tuple(range(offset + q0, offset + q1))
-            end = length - n_new + q1
-            segments.append((_Segment(queries, r, 0, end), max(end, 1)))
+        for members in _split_members(range(offset, offset + n_new), tiles):
+            groups.append((members, r, 0, length - (offset + n_new - members[-1] - 1)))
         offset += n_new
-    return _emit(segments, offset, tiles)
+    t = _Tiles.build(groups, tuple(np.zeros(0, dtype=np.int64) for _ in range(4)))
+    return _emit(t, np.maximum(t.end, 1), offset, tiles)

@@ -1,0 +1,117 @@
+"""The compiled Triton attention kernel on CUDA equals the torch reference, eagerly and under graph replay."""
+
+import pytest
+import torch
+
+from arctic_rl_core.zorro.attention.forest import PrefixForest, build_forest
+from arctic_rl_core.zorro.attention.plan import TileShape, plan_decode, plan_prefill
+from arctic_rl_core.zorro.attention.reference import paged_decode_attention, paged_prefill_attention
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+BS, HKV, D = 16, 2, 64
+GROUP = 7
+
+
+def _cache(dtype, blocks=4096, seed=0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    return tuple(torch.randn(blocks, BS, HKV, D, generator=g, device="cuda").to(dtype) for _ in range(2))
+
+
+def _forest_batch(prefix_blocks=40, groups=3, per_group=5, suffix_tokens=(33, 90, 7, 150, 64)):
+    """``groups`` groups under one shared system prompt (2 levels), ragged suffixes, plus one loner."""
+    tables, lengths, next_block = [], [], prefix_blocks * groups + 8
+    for g in range(groups):
+        prompt = list(range(4)) + list(range(4 + g * prefix_blocks, 4 + (g + 1) * prefix_blocks))
+        for r in range(per_group):
+            n = suffix_tokens[r % len(suffix_tokens)]
+            own = list(range(next_block, next_block + -(-n // BS)))
+            next_block += len(own)
+            tables.append(prompt + own)
+            lengths.append(len(prompt) * BS + n)
+    tables.append(list(range(next_block, next_block + 30)))
+    lengths.append(30 * BS - 3)
+    return tables, lengths
+
+
+def _run(q, caches, tables, lengths, plan, positions, tiles):
+    from arctic_rl_core.zorro.attention import triton_attention as kernel
+
+    width = max(map(len, tables))
+    block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32, device="cuda")
+    device_plan = kernel.DevicePlan.from_plan(plan, "cuda")
+    workspace = kernel.Workspace.allocate(plan.num_partial_rows, q.shape[1], D, "cuda")
+    out = kernel.paged_attention(q, *caches, block_tables, positions, device_plan, workspace, D**-0.5, tiles)
+    return out, block_tables
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("use_forest", [True, False])
+def test_decode_kernel_equals_reference(dtype, use_forest):
+    tables, lengths = _forest_batch()
+    forest = build_forest(tables, lengths, BS) if use_forest else PrefixForest.unshared(len(tables))
+    assert forest.num_levels == (2 if use_forest else 0)
+    caches = _cache(dtype)
+    q = torch.randn(len(tables), HKV * GROUP, D, device="cuda").to(dtype)
+    tiles = TileShape(GROUP)
+    plan = plan_decode(forest, lengths, tiles, target_items=264)
+    positions = torch.tensor([n - 1 for n in lengths], dtype=torch.int32, device="cuda")
+    out, block_tables = _run(q, caches, tables, lengths, plan, positions, tiles)
+    expected = paged_decode_attention(q.float(), caches[0].float(), caches[1].float(), block_tables, lengths, D**-0.5)
+    tol = 1e-4 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out.float(), expected, atol=tol, rtol=tol)
+
+
+def test_prefill_kernel_equals_reference():
+    caches = _cache(torch.bfloat16)
+    tables = [list(range(0, 70)), list(range(100, 103)), list(range(200, 260))]
+    query_lens, lengths = [1100, 40, 1], [1100, 40, 950]
+    q = torch.randn(sum(query_lens), HKV * GROUP, D, device="cuda").to(torch.bfloat16)
+    positions = torch.tensor(
+        [p for n, length in zip(query_lens, lengths) for p in range(length - n, length)], dtype=torch.int32, device="cuda"
+    )
+    tiles = TileShape(GROUP)
+    out, block_tables = _run(q, caches, tables, lengths, plan_prefill(query_lens, lengths, tiles), positions, tiles)
+    expected = paged_prefill_attention(q.float(), caches[0].float(), caches[1].float(), block_tables, query_lens,
+                                       lengths, D**-0.5)  # fmt: skip
+    torch.testing.assert_close(out.float(), expected, atol=2e-2, rtol=2e-2)
+
+
+def test_graph_replay_follows_the_plan_written_into_static_buffers():
+    from arctic_rl_core.zorro.attention import triton_attention as kernel
+
+    tables, lengths = _forest_batch()
+    n = len(tables)
+    caches = _cache(torch.bfloat16)
+    tiles = TileShape(GROUP)
+    width = max(map(len, tables))
+    block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32, device="cuda")
+    static = kernel.DevicePlan.empty(max_items=512, max_query_refs=2048, max_queries=n, max_partial_rows=2048,
+                                     device="cuda")  # fmt: skip
+    workspace = kernel.Workspace.allocate(2048, HKV * GROUP, D, "cuda")
+    q = torch.randn(n, HKV * GROUP, D, device="cuda").to(torch.bfloat16)
+    positions = torch.zeros(n, dtype=torch.int32, device="cuda")
+
+    def load(plan, lens):
+        for name in ("wide_items", "narrow_items"):
+            getattr(static, name)[: len(getattr(plan, name))] = torch.from_numpy(getattr(plan, name))
+        static.counts.copy_(torch.tensor([len(plan.wide_items), len(plan.narrow_items)]))
+        static.query_index[: len(plan.query_index)] = torch.from_numpy(plan.query_index)
+        static.merge_offsets.copy_(torch.from_numpy(plan.merge_offsets))
+        static.merge_rows[: len(plan.merge_rows)] = torch.from_numpy(plan.merge_rows)
+        positions.copy_(torch.tensor([x - 1 for x in lens]))
+
+    forest = build_forest(tables, lengths, BS)
+    load(plan_decode(forest, lengths, tiles, 264), lengths)
+    out = torch.empty_like(q)
+    run = lambda: kernel.paged_attention(q, *caches, block_tables, positions, static, workspace, D**-0.5, tiles, out=out)  # noqa: E731
+    run()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run()
+    for shrink in (0, 5):  # a later step: other lengths, another plan, same graph
+        lens = [x - shrink for x in lengths]
+        load(plan_decode(forest, lens, tiles, 264), lens)
+        graph.replay()
+        expected = paged_decode_attention(q.float(), caches[0].float(), caches[1].float(), block_tables, lens, D**-0.5)
+        torch.testing.assert_close(out.float(), expected, atol=2e-2, rtol=2e-2)
