@@ -25,11 +25,12 @@ def _free_port() -> int:
 
 
 def _weights() -> dict[str, torch.Tensor]:
+    # 40 MB, in buckets of 16 MB: larger than NCCL's staging buffers, so a send cannot finish without its receive.
     g = torch.Generator().manual_seed(0)
     return {
-        "model.embed_tokens.weight": torch.randn(4096, 256, generator=g).to(torch.bfloat16),
-        "model.layers.0.mlp.up_proj.weight": torch.randn(1024, 256, generator=g).to(torch.bfloat16),
-        "model.norm.weight": torch.randn(256, generator=g),
+        "model.embed_tokens.weight": torch.randn(16384, 1024, generator=g).to(torch.bfloat16),
+        "model.layers.0.mlp.up_proj.weight": torch.randn(4096, 1024, generator=g).to(torch.bfloat16),
+        "model.norm.weight": torch.randn(1024, generator=g),
     }
 
 
@@ -74,13 +75,13 @@ def _run(config: WeightSyncConfig, stall: bool) -> dict:
 
 
 def test_nccl_coordinator_moves_weights_bit_exact():
-    out = _run(WeightSyncConfig(base_port=_free_port(), bucket_size=1 << 20, timeout_s=60), stall=False)
+    out = _run(WeightSyncConfig(base_port=_free_port(), bucket_size=16 << 20, timeout_s=60), stall=False)
     assert out[0][0] is None and out[1][0] is None, out
 
 
 def test_nccl_sender_raises_naming_the_bucket_when_the_receiver_stalls():
     timeout_s = 5.0
-    out = _run(WeightSyncConfig(base_port=_free_port(), bucket_size=1 << 20, timeout_s=timeout_s), stall=True)
+    out = _run(WeightSyncConfig(base_port=_free_port(), bucket_size=16 << 20, timeout_s=timeout_s), stall=True)
     step, elapsed = out[0]
     assert step is not None and step.startswith("send bucket"), out
     assert elapsed < timeout_s * 2 + 5
