@@ -64,21 +64,20 @@ def plan_buckets(specs: Iterable[TensorSpec], bucket_size: int) -> list[BucketLa
     """Group tensors, in order, into buckets of at most ``bucket_size`` bytes."""
     if bucket_size < 1:
         raise ValueError(f"bucket_size must be >= 1 byte, got {bucket_size}")
-    layouts: list[BucketLayout] = []
-    slots: list[TensorSlot] = []
+    groups: list[list[TensorSpec]] = []
+    current: list[TensorSpec] = []
     end = 0
     for name, dtype, shape in specs:
-        shape = tuple(int(d) for d in shape)
         nbytes = math.prod(shape) * dtype.itemsize
         offset = aligned(end)
-        if slots and offset + nbytes > bucket_size:
-            layouts.append(BucketLayout(tuple(slots), end))
-            slots, offset = [], 0
-        slots.append(TensorSlot(name, dtype, shape, offset))
+        if current and offset + nbytes > bucket_size:
+            groups.append(current)
+            current, offset = [], 0
+        current.append((name, dtype, shape))
         end = offset + nbytes
-    if slots:
-        layouts.append(BucketLayout(tuple(slots), end))
-    return layouts
+    if current:
+        groups.append(current)
+    return [single_bucket(group) for group in groups]
 
 
 def single_bucket(specs: Iterable[TensorSpec]) -> BucketLayout:

@@ -158,8 +158,10 @@ class SyncGroup:
             self.store.delete_key(key)
 
     def close(self) -> None:
-        for backend in self._backends:
-            backend.shutdown()
+        # NCCL backends of a failed group were aborted already; shutting them down again would wait on the dead peer.
+        if not (self.device.type == "cuda" and self.failed_step is not None):
+            for backend in self._backends:
+                backend.shutdown()
         self._backends.clear()
         self.world = None
         self.store = None

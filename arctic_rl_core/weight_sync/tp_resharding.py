@@ -50,7 +50,7 @@ class Narrow:
     length: int
 
 
-_COLUMN = re.compile(r"\.(mlp\.(gate_proj|up_proj))\.(weight|bias)$")
+_COLUMN = re.compile(r"\.mlp\.(gate_proj|up_proj)\.(weight|bias)$")
 _QUERY = re.compile(r"\.self_attn\.q_proj\.(weight|bias)$")
 _KEY_VALUE = re.compile(r"\.self_attn\.(k_proj|v_proj)\.(weight|bias)$")
 _OUTPUT = re.compile(r"\.self_attn\.o_proj\.weight$")
