@@ -1,8 +1,8 @@
 """CUDA-IPC weight sync between two processes on one GPU: one IPC handle per flattened bucket.
 
-Opening an IPC handle costs a driver round trip and a mapping, so sharing
-each parameter on its own is several times slower than sharing a few large
-buckets. The sender packs its weights into buckets (``buckets.py``) and
+Opening an IPC handle costs a driver call and a mapping, so one handle per
+parameter costs far more than a few large buckets (``benchmarks/weight_sync.py``
+measures by how much: its per-parameter row). The sender packs its weights into buckets (``buckets.py``) and
 shares each bucket's storage; the receiver opens a bucket, copies the views
 out (its ``load`` callable, e.g. a sampler's ``load_weights``), waits for the
 copies to finish and drops the mapping, and only then may the sender free it.
@@ -115,13 +115,13 @@ class CudaIpcSender:
         return [self.share(i) for i in range(len(self.layouts))]
 
     def release(self, index: int | None = None) -> None:
-        """Free bucket ``index`` (all when None) once the receiver has finished with it."""
+        """Free bucket ``index`` once the receiver is done with it; with no index, free them all and end the sync."""
         for i in list(self._live) if index is None else [index]:
             self._live.pop(i, None)
         with torch.cuda.device(self.device):
             # Blocks shared over IPC wait in a limbo list until the receiver drops them.
             torch.cuda.ipc_collect()
-            if not self._live:
+            if index is None:
                 # A colocated sampler wakes its KV cache next and needs this memory back.
                 torch.cuda.empty_cache()
 
