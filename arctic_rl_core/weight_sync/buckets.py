@@ -105,6 +105,7 @@ def slot_view(data: torch.Tensor, slot: TensorSlot) -> torch.Tensor:
     return data[slot.offset : slot.offset + slot.nbytes].view(slot.dtype).view(slot.shape)
 
 
+@torch.no_grad()  # parameters require grad; a bucket is plain bytes (torch refuses to share graph nodes over IPC)
 def pack_bucket(layout: BucketLayout, tensors: Sequence[torch.Tensor], out: torch.Tensor) -> torch.Tensor:
     """Copy ``tensors`` (in slot order) into ``out``, a ``uint8`` buffer of ``layout.nbytes``; return ``out``."""
     if len(tensors) != len(layout.slots):

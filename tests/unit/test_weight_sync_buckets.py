@@ -85,3 +85,12 @@ def test_pack_refuses_a_tensor_that_does_not_match_its_slot():
         pack_bucket(layout, [torch.zeros(2, 2, dtype=torch.bfloat16)], empty_bucket(layout, "cpu"))
     with pytest.raises(ValueError, match="uint8 of 16 bytes"):
         pack_bucket(layout, [torch.zeros(2, 2)], torch.empty(15, dtype=torch.uint8))
+
+
+def test_packing_parameters_gives_plain_bytes_outside_autograd():
+    layer = torch.nn.Linear(4, 3)
+    named = list(layer.named_parameters())
+    [layout] = plan_tensor_buckets(named, 1024)
+    data = pack_bucket(layout, [p for _, p in named], empty_bucket(layout, "cpu"))
+    assert not data.requires_grad and data.grad_fn is None
+    assert torch.equal(dict(unpack_bucket(layout, data))["weight"], layer.weight.detach())
