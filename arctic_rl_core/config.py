@@ -14,6 +14,7 @@ from typing import Any, Literal, Optional
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 DEFAULT_HTTP_PORT = 7000
+RECONNECT_ENV = "ARCTIC_RL_RECONNECT_CONFIG"
 
 Backend = Literal["local", "dss-platform", "remote"]
 CommProtocol = Literal["http", "ray"]
@@ -134,6 +135,28 @@ class ArcticRLClientConfig(BaseModel):
         """True when job ids are given: the client attaches to them and sends no /initialize."""
         return any(i is not None for i in (self.training_job_id, self.sampling_job_id, self.log_prob_job_id))
 
+    @classmethod
+    def reconnect_config(cls, source: Optional[str] = None) -> "ArcticRLClientConfig":
+        """The reconnect config a client published for its child processes (or ``source``: JSON or a file path).
+
+        Every client exports its reconnect config in ``ARCTIC_RL_RECONNECT_CONFIG``,
+        so processes it starts (data workers, reward servers, Ray workers) attach to
+        the same jobs with ``ArcticRLClientConfig.reconnect_config()``.
+        """
+        import json
+        import os
+        from pathlib import Path
+
+        text = source if source is not None else os.environ.get(RECONNECT_ENV)
+        if not text:
+            raise ValueError(
+                f"no reconnect config: pass one, or create a client first (it sets {RECONNECT_ENV}); "
+                "in the client's own process use client.reconnect_config()"
+            )
+        if not text.lstrip().startswith("{"):
+            text = Path(text).read_text()
+        return cls.model_validate(json.loads(text))
+
     def for_initialize(self) -> "ArcticRLClientConfig":
         """The copy sent to /initialize: job ids and the auth token are never forwarded."""
         return self.model_copy(
@@ -169,18 +192,15 @@ class OptimizerConfig(BaseModel):
     lr_scheduler_type: Literal["constant", "linear", "cosine"] = "constant"
     warmup_steps_proportion: Optional[float] = Field(None, ge=0, le=1)
     warmup_ratio: Optional[float] = Field(None, ge=0, le=1, description="Alias of warmup_steps_proportion.")
-    total_train_steps: Optional[int] = Field(None, ge=1, description="Needed by linear/cosine schedules.")
+    total_train_steps: int = Field(
+        1000, ge=1, description="Horizon of warmup and of linear/cosine decay, in steps: set it to your run's length."
+    )
     min_lr_ratio: float = Field(0.0, ge=0, le=1, description="Floor of linear/cosine decay, as a fraction of lr.")
 
     @property
     def warmup_fraction(self) -> float:
         return self.warmup_steps_proportion if self.warmup_steps_proportion is not None else (self.warmup_ratio or 0.0)
 
-    @model_validator(mode="after")
-    def _decay_needs_horizon(self) -> "OptimizerConfig":
-        if self.lr_scheduler_type != "constant" and self.total_train_steps is None:
-            raise ValueError(f"optimizer.lr_scheduler_type={self.lr_scheduler_type!r} needs optimizer.total_train_steps")
-        return self
 
 
 class MicroBatchSpec(BaseModel):

@@ -81,6 +81,15 @@ class ArcticRLClient:
         for kind in JobKind:
             self._job_ids[kind.value] = ids.get(kind.id_field)
         self._wait_for_jobs()
+        self.publish_reconnect_config()
+
+    def publish_reconnect_config(self) -> None:
+        """Export this client's reconnect config to child processes (``ArcticRLClientConfig.reconnect_config()``)."""
+        import os
+
+        from arctic_rl_core.config import RECONNECT_ENV
+
+        os.environ[RECONNECT_ENV] = self.reconnect_config().model_dump_json()
 
     def _wait_for_jobs(self) -> None:
         interval = min(self.config.health_check_interval, 0.5)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+import weakref
 from typing import Any
 
 import httpx
@@ -48,14 +49,16 @@ class HTTPTransport(Transport):
         # Long ops (a big fwd_bwd, a long rollout) legitimately take minutes: no read timeout by default.
         self.timeout = httpx.Timeout(timeout, connect=30.0)
         # One pooled AsyncClient per event loop: users may call asyncio.run() more than once.
-        self._clients: dict[int, httpx.AsyncClient] = {}
+        self._clients: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, httpx.AsyncClient] = (
+            weakref.WeakKeyDictionary()
+        )
 
     def _async_client(self) -> httpx.AsyncClient:
         loop = asyncio.get_running_loop()
-        client = self._clients.get(id(loop))
+        client = self._clients.get(loop)
         if client is None or client.is_closed:
             client = httpx.AsyncClient(base_url=self.base_url, headers=self.headers, timeout=self.timeout)
-            self._clients[id(loop)] = client
+            self._clients[loop] = client
         return client
 
     @staticmethod
@@ -102,12 +105,9 @@ class HTTPTransport(Transport):
             time.sleep(interval)
 
     async def close(self) -> None:
-        clients, self._clients = self._clients, {}
-        for client in clients.values():
-            try:
-                await client.aclose()
-            except RuntimeError:
-                pass  # its loop is gone; nothing left to flush
+        client = self._clients.pop(asyncio.get_running_loop(), None)
+        if client is not None:
+            await client.aclose()
 
 
 def _url(op: Op, request) -> str:

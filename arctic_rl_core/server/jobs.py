@@ -45,6 +45,7 @@ class Job:
         self.workers: list[ray.actor.ActorHandle] = []
         self.created_at = time.time()
         self.calls = 0
+        self.pids: list[int] = []
         self._watchers: list[asyncio.Task] = []
         self._failed = asyncio.Event()
         self.on_release = None  # set by the manager: gives back the placement group
@@ -60,6 +61,7 @@ class Job:
             "state": self.state.value,
             "error": self.error,
             "workers": len(self.slots),
+            "pids": list(self.pids),
             "calls": self.calls,
         }
 
@@ -69,6 +71,7 @@ class Job:
         """Create and set up the workers; RUNNING on success, FAILED (with the cause) otherwise."""
         try:
             await self._create_workers()
+            self.pids = [info["pid"] for info in await asyncio.gather(*[w.info.remote() for w in self.workers])]
             self._watchers = [asyncio.ensure_future(self._watch(rank, w)) for rank, w in enumerate(self.workers)]
             if self.state is JobState.PENDING:
                 self.state = JobState.RUNNING
