@@ -1,4 +1,4 @@
-"""What the vLLM backend adds to the shared contract: fused modules, streamed and failed loads, prefix cache, CPU sleep."""
+"""vLLM-specific behaviour: fused modules, streamed and failed loads, prefix cache, CPU sleep, one engine a process."""
 
 import pytest
 import torch
@@ -129,3 +129,10 @@ def test_sleep_on_cpu_answers_that_vllm_sleep_mode_needs_cuda(backend):
 def test_an_empty_prompt_is_rejected_by_index(backend):
     with pytest.raises(ValueError, match=r"prompt_token_ids\[1\]"):
         backend.generate([PROMPT, []], GREEDY)
+
+
+def test_a_second_engine_in_the_same_process_is_refused(backend, model_path):
+    from arctic_rl_core.engines.sampling.vllm import VLLMBackend
+
+    with pytest.raises(RuntimeError, match="one per process"):
+        VLLMBackend(str(model_path), backend.options)

@@ -1,11 +1,13 @@
 """``VLLMBackend``: the sampling protocol over one ``vllm.LLM`` engine.
 
-What it relies on in vLLM (0.31), all public methods of ``vllm.LLM``:
+What it relies on in vLLM (0.31): the public methods of ``vllm.LLM`` --
 ``generate`` with token-id prompts, ``reset_prefix_cache``, ``sleep`` /
-``wake_up``, and ``collective_rpc`` with the worker method ``reload_weights``
+``wake_up``, ``collective_rpc`` -- with the worker method ``reload_weights``
 (vLLM's in-place reload for RL: it re-runs each layer's post-load processing,
-which the CPU backend needs because it packs linear weights for its GEMM
-kernels) and with the functions of ``worker_ops``.
+which the CPU build needs because it packs linear weights for its GEMM
+kernels) and the functions of ``worker_ops``; from ``LLM.llm_engine``, the
+model config, ``is_sleeping`` and the engine core's ``shutdown`` (``LLM``
+has no shutdown of its own).
 """
 
 from __future__ import annotations
@@ -22,6 +24,11 @@ from arctic_rl_core.engines.sampling.vllm import worker_ops
 from arctic_rl_core.engines.sampling.vllm.engine_args import check_platform, prepare_vllm_process, vllm_engine_kwargs
 
 SLEEP_NEEDS_CUDA = "vLLM sleep mode needs CUDA; on CPU the engine keeps its weights and KV cache"
+
+# The engine alive in this process, if any. vLLM keeps one set of process
+# groups per process and an engine's shutdown tears them down, so two engines
+# cannot share a process.
+_live_engine: "VLLMBackend | None" = None
 
 
 @dataclass
@@ -42,12 +49,19 @@ class VLLMBackend:
     """
 
     def __init__(self, model_path: str, options: SamplingEngineOptions) -> None:
+        global _live_engine
+        if _live_engine is not None:
+            raise RuntimeError(
+                "a vLLM engine is already running in this process; vLLM allows one per process: shut it down "
+                "first, or give each engine its own worker process"
+            )
         prepare_vllm_process(options.device)
         check_platform(options.device)
         from vllm import LLM
 
         self.options = options
         self.llm = LLM(model=str(model_path), **vllm_engine_kwargs(options))
+        _live_engine = self
         # Which vLLM module each HF tensor name lands in (several for fused q/k/v and gate/up).
         self._hf_names_by_module: dict[str, list[str]] = {}
         for worker_modules in self.llm.collective_rpc(worker_ops.hf_names_by_module):
@@ -148,7 +162,8 @@ class VLLMBackend:
             self._mark_stale("the last load_weights failed part way; load the full set of weights again")
             raise
         self._stale -= loaded
-        self.reset_prefix_cache()
+        if not self._asleep:  # asleep, there is no cached KV: sleep cleared the prefix cache
+            self.reset_prefix_cache()
 
     def weight_norm(self) -> float:
         """L2 norm of the weights decoding uses, in float64, comparable with the HF model's."""
@@ -195,18 +210,15 @@ class VLLMBackend:
         return {"woke": True, "tags": sorted(tags) if tags is not None else sorted(allowed), "asleep": self._asleep}
 
     def shutdown(self) -> None:
-        """Stop the engine and release its memory (the KV cache is the bulk of it)."""
+        """Stop the engine, its process groups with it, and release its memory (mostly the KV cache)."""
+        global _live_engine
         llm = self.__dict__.pop("llm", None)
         if llm is None:
             return
         llm.llm_engine.engine_core.shutdown()
         del llm
         gc.collect()
-        from vllm.distributed.parallel_state import destroy_distributed_environment, destroy_model_parallel
-
-        # The in-process worker joined a process group of its own; a later engine in this process makes a new one.
-        destroy_model_parallel()
-        destroy_distributed_environment()
+        _live_engine = None
 
     @property
     def _sleep_supported(self) -> bool:
