@@ -36,7 +36,8 @@ def expand_block_mask(block_mask) -> torch.Tensor:
     for counts, indices, values in lists:
         for qb in range(length // FLEX_BLOCK):
             for kb in indices[0, 0, qb, : counts[0, 0, qb]].tolist():
-                rows, cols = slice(qb * FLEX_BLOCK, (qb + 1) * FLEX_BLOCK), slice(kb * FLEX_BLOCK, (kb + 1) * FLEX_BLOCK)
+                rows = slice(qb * FLEX_BLOCK, (qb + 1) * FLEX_BLOCK)
+                cols = slice(kb * FLEX_BLOCK, (kb + 1) * FLEX_BLOCK)
                 assert not dense[rows, cols].any(), f"block ({qb}, {kb}) listed twice"
                 dense[rows, cols] = values[rows, cols]
     return dense
@@ -79,8 +80,10 @@ def varlen_reference(q, k, v, layout: VarlenLayout, window):
         i = torch.arange(lq)[:, None] + (lk - lq)
         j = torch.arange(lk)[None, :]
         allowed = (j <= i) & (i - j < window if window is not None else True)
-        segment = [t.transpose(0, 1) for t in (q[cu_q[s] : cu_q[s + 1]], k[cu_k[s] : cu_k[s + 1]], v[cu_k[s] : cu_k[s + 1]])]
-        out[cu_q[s] : cu_q[s + 1]] = F.scaled_dot_product_attention(*segment, attn_mask=allowed, enable_gqa=True).transpose(0, 1)
+        queries, keys = slice(cu_q[s], cu_q[s + 1]), slice(cu_k[s], cu_k[s + 1])
+        segment = [t.transpose(0, 1) for t in (q[queries], k[keys], v[keys])]
+        attended = F.scaled_dot_product_attention(*segment, attn_mask=allowed, enable_gqa=True)
+        out[queries] = attended.transpose(0, 1)
     return out
 
 

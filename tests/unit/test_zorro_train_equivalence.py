@@ -48,7 +48,12 @@ def shared_system_prompt(gen):
 def multi_turn(gen):
     turn1, answer1, turn2 = tokens(gen, 6), tokens(gen, 4), tokens(gen, 3)
     history = turn1 + answer1 + turn2
-    return [(turn1, answer1 + tokens(gen, 1)), (turn1, tokens(gen, 5)), (history, tokens(gen, 4)), (history, tokens(gen, 3))]
+    return [
+        (turn1, answer1 + tokens(gen, 1)),
+        (turn1, tokens(gen, 5)),
+        (history, tokens(gen, 4)),
+        (history, tokens(gen, 3)),
+    ]
 
 
 def nothing_shared(gen):

@@ -67,11 +67,12 @@ def test_shared_system_prompt_becomes_the_root_of_different_questions():
 def test_multi_turn_history_is_shared_with_its_continuation():
     turn1, answer1, turn2 = [1, 2, 3], [4, 5], [6, 7]
     history = turn1 + answer1 + turn2
-    forest = build_prefix_forest(*batch([(turn1, answer1 + [0]), (history, [8, 9]), (history, [10, 11])]))
+    tensors = batch([(turn1, answer1 + [0]), (history, [8, 9]), (history, [10, 11])])
+    forest = build_prefix_forest(*tensors)
     # The first turn's row ends inside the later rows' history: its positions are theirs.
     assert forest.stats.tokens_packed == len(history) + 1 + 1
     assert forest.nodes[0].length == len(turn1) + len(answer1)
-    assert packed_contexts(forest) == unpacked_rows(*batch([(turn1, answer1 + [0]), (history, [8, 9]), (history, [10, 11])]))
+    assert packed_contexts(forest) == unpacked_rows(*tensors)
 
 
 @pytest.mark.parametrize("padding", ["left", "right"])

@@ -8,7 +8,8 @@
 
 ``selected_hidden_states`` returns the rows ``arctic_rl_core.models.forward.selected_hidden_states``
 returns, with equal values and gradients, for any HF decoder whose attention
-implementation is ``sdpa`` or ``flex_attention``.
+implementation is ``sdpa`` or ``flex_attention``. Attention runs as FlashAttention
+varlen on CUDA in fp16/bf16, FlexAttention on CUDA in fp32, masked SDPA on CPU.
 """
 
 from arctic_rl_core.zorro.train.attention import ForestAttention, VarlenLayout, default_kernel, enable_forest_attention

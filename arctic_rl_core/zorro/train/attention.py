@@ -162,10 +162,20 @@ class ForestAttention:
         v = value[0].transpose(0, 1).index_select(0, layout.key_index)
         # FlashAttention counts the window's keys besides the query's own.
         window_args = {} if window is None else {"window_size_left": window - 1, "window_size_right": 0}
-        out = torch.ops.aten._flash_attention_forward(
-            q, k, v, layout.cu_seq_q, layout.cu_seq_k, layout.max_q, layout.max_k,
-            0.0, True, False, scale=scaling, **window_args,
-        )[0]
+        out, *_ = torch.ops.aten._flash_attention_forward(
+            q,
+            k,
+            v,
+            layout.cu_seq_q,
+            layout.cu_seq_k,
+            layout.max_q,
+            layout.max_k,
+            0.0,  # dropout
+            True,  # causal, aligned to the bottom right: a node's queries follow its ancestors' keys
+            False,  # no debug mask
+            scale=scaling,
+            **window_args,
+        )
         return out[None]
 
 
@@ -202,7 +212,8 @@ def _forest_block_mask(positions: torch.Tensor, subtree_end: torch.Tensor, windo
     meets = torch.maximum(index, first[:, None]) < torch.minimum(subtree_end, end[:, None])
     some = meets.view(blocks, blocks, FLEX_BLOCK).any(-1)
     # Every query of the block sees every key of the key block: keys all precede it, and all reach past it.
-    every = (end[None, :] - 1 <= first[:, None]) & (subtree_end.view(blocks, FLEX_BLOCK).amin(-1)[None, :] >= end[:, None])
+    reach = subtree_end.view(blocks, FLEX_BLOCK).amin(-1)
+    every = (end[None, :] - 1 <= first[:, None]) & (reach[None, :] >= end[:, None])
 
     if window is None:
 

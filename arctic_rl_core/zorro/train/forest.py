@@ -78,12 +78,6 @@ class PrefixForest:
     nodes: tuple[ForestNode, ...]
     stats: ForestStats
 
-    def visible(self) -> torch.Tensor:
-        """The [L, L] boolean attention pattern: entry (q, k) is True when q attends to k."""
-        q = torch.arange(len(self.token_ids))[:, None]
-        k = torch.arange(len(self.token_ids))[None, :]
-        return (k <= q) & (q < self.subtree_end[None, :])
-
 
 class _OpenNode:
     """A node while the forest is being built: its depth range can still be split."""
