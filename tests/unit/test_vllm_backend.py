@@ -136,3 +136,13 @@ def test_a_second_engine_in_the_same_process_is_refused(backend, model_path):
 
     with pytest.raises(RuntimeError, match="one per process"):
         VLLMBackend(str(model_path), backend.options)
+
+
+def test_the_owning_process_keeps_control_of_torch_threads(backend):
+    threads = torch.get_num_threads()
+    wanted = 2 if threads == 1 else 1
+    try:
+        torch.set_num_threads(wanted)
+        assert torch.get_num_threads() == wanted
+    finally:
+        torch.set_num_threads(threads)

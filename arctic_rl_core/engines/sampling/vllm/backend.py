@@ -60,7 +60,12 @@ class VLLMBackend:
         from vllm import LLM
 
         self.options = options
+        # vLLM's CPU worker disables torch.set_num_threads, for the OpenMP
+        # pinning its worker processes get; an in-process worker is not
+        # pinned, and the process that owns the backend keeps that control.
+        set_num_threads = torch.set_num_threads
         self.llm = LLM(model=str(model_path), **vllm_engine_kwargs(options))
+        torch.set_num_threads = set_num_threads
         _live_engine = self
         # Which vLLM module each HF tensor name lands in (several for fused q/k/v and gate/up).
         self._hf_names_by_module: dict[str, list[str]] = {}
