@@ -14,6 +14,7 @@ from arctic_rl_core.weight_sync.coordinator import WeightSyncCoordinator
 from arctic_rl_core.weight_sync.cuda_ipc import (
     CudaIpcSender,
     SharedBucket,
+    check_layouts,
     load_shared_buckets,
     receive_over_connection,
     send_over_connection,
@@ -38,6 +39,7 @@ __all__ = [
     "WeightMismatchError",
     "WeightSyncCoordinator",
     "WeightSyncError",
+    "check_layouts",
     "check_shapes",
     "flat_partition",
     "load_shared_buckets",
