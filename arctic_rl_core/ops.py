@@ -224,6 +224,10 @@ class EmptyRequest(_Request):
     pass
 
 
+class EchoRequest(_Request):
+    payload: Any = Field(None, description="Anything the transport carries (tensors too); returned as is.")
+
+
 # ---------------------------------------------------------------- the table
 
 
@@ -298,5 +302,6 @@ OPS: dict[str, Op] = {
         Op("job_status", JobRequest, "One job's state (PENDING, RUNNING, FAILED, DESTROYED) and error.", server=True, http_method="GET"),
         Op("destroy_job", JobRequest, "Stop a job's workers and release its devices.", server=True),
         Op("stop_server", EmptyRequest, "Destroy all jobs and stop the server process.", server=True),
+        Op("echo", EchoRequest, "Return the payload: measures the transport (benchmarks/client_overhead.py).", server=True),
     )
 }  # fmt: skip

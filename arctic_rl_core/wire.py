@@ -39,6 +39,15 @@ class WireError(ValueError):
 
 def encode(obj: Any) -> bytes:
     """Serialize ``obj``: dicts with str keys, lists/tuples, str/int/float/bool/None, tensors, numpy arrays."""
+    return b"".join(encode_chunks(obj))
+
+
+def encode_chunks(obj: Any) -> list[bytes | memoryview]:
+    """``encode`` as a list of chunks whose concatenation is the message; tensor bytes are views, not copies.
+
+    Transports write the chunks to the socket one after another, so a large
+    tensor is never copied on the sending side.
+    """
     buffers: list[memoryview] = []
     offsets: list[int] = []
     position = 0
@@ -85,11 +94,16 @@ def encode(obj: Any) -> bytes:
             parts.append(b"\0" * (offset - cursor))
         parts.append(raw)
         cursor = offset + raw.nbytes
-    return b"".join(parts)
+    return parts
 
 
 def decode(data: bytes | bytearray | memoryview) -> Any:
-    """Inverse of ``encode``. Tensors are views into a private copy of ``data`` (writable, aligned)."""
+    """Inverse of ``encode``.
+
+    A ``bytearray`` is decoded in place: tensors are views into it, and the
+    caller hands it over (transports receive into one, so the payload is
+    copied once, from the socket). Immutable input is copied first.
+    """
     view = memoryview(data)
     if view.nbytes < len(MAGIC) + 8 or bytes(view[: len(MAGIC)]) != MAGIC:
         raise WireError("not an arctic wire message (bad magic)")
@@ -103,8 +117,11 @@ def decode(data: bytes | bytearray | memoryview) -> Any:
     except (ValueError, KeyError, TypeError) as exc:
         raise WireError(f"corrupt wire header: {exc}") from None
     data_start = -(-header_end // _ALIGN) * _ALIGN
-    # torch.frombuffer wants a writable buffer; one copy of the payload keeps tensors safe to mutate.
-    payload = bytearray(view[data_start:]) if offsets else bytearray()
+    if isinstance(data, bytearray):
+        payload, base = data, data_start
+    else:
+        # torch.frombuffer needs a writable buffer: tensors must be safe to modify.
+        payload, base = (bytearray(view[data_start:]) if offsets else bytearray()), 0
 
     def tensor(spec: dict) -> torch.Tensor:
         try:
@@ -118,11 +135,11 @@ def decode(data: bytes | bytearray | memoryview) -> Any:
                 raise WireError(f"negative dimension in tensor shape {shape}")
             numel *= size
         nbytes = numel * torch.empty((), dtype=dtype).element_size()
-        if offset < 0 or offset + nbytes > len(payload):
+        if offset < 0 or base + offset + nbytes > len(payload):
             raise WireError(f"tensor {index} ({dtype}, {shape}) runs past the end of the message")
         if numel == 0:
             return torch.empty(shape, dtype=dtype)
-        flat = torch.frombuffer(payload, dtype=torch.uint8, count=nbytes, offset=offset)
+        flat = torch.frombuffer(payload, dtype=torch.uint8, count=nbytes, offset=base + offset)
         return flat.view(dtype).view(shape)
 
     def visit(value: Any) -> Any:

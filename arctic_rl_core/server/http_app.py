@@ -15,7 +15,7 @@ import logging
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 from pydantic.json_schema import models_json_schema
 
@@ -110,13 +110,20 @@ async def _read(request: Request, op: Op, max_body_bytes: int) -> Any:
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > max_body_bytes:
         raise PayloadTooLarge(f"request body of {declared} bytes exceeds the limit of {max_body_bytes}")
-    chunks, size = [], 0
+    # Received once, into one buffer the wire decoder then uses in place.
+    body = bytearray(int(declared)) if declared is not None and declared.isdigit() else bytearray()
+    size = 0
     async for chunk in request.stream():
-        size += len(chunk)
-        if size > max_body_bytes:
+        end = size + len(chunk)
+        if end > max_body_bytes:
             raise PayloadTooLarge(f"request body exceeds the limit of {max_body_bytes} bytes")
-        chunks.append(chunk)
-    body = b"".join(chunks)
+        if end <= len(body):
+            body[size:end] = chunk
+        else:
+            del body[size:]
+            body += chunk
+        size = end
+    del body[size:]
     content_type = request.headers.get("content-type", "application/json").split(";")[0].strip()
     if content_type == wire.CONTENT_TYPE:
         return wire.decode(body)
@@ -130,8 +137,18 @@ async def _read(request: Request, op: Op, max_body_bytes: int) -> Any:
 
 def _respond(request: Request, result: Any) -> Response:
     if wire.CONTENT_TYPE in request.headers.get("accept", ""):
-        return Response(wire.encode({"result": result}), media_type=wire.CONTENT_TYPE)
+        chunks = wire.encode_chunks({"result": result})
+        length = sum(memoryview(c).nbytes for c in chunks)
+        # Streamed from the result tensors' memory: no copy of the payload on the way out.
+        return StreamingResponse(
+            _aiter(chunks), media_type=wire.CONTENT_TYPE, headers={"content-length": str(length)}
+        )
     return JSONResponse({"result": wire.to_jsonable(result)})
+
+
+async def _aiter(chunks):
+    for chunk in chunks:
+        yield chunk
 
 
 def _install_openapi(app: FastAPI) -> None:

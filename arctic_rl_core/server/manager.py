@@ -20,10 +20,10 @@ from arctic_rl_core.config import ArcticRLClientConfig, TrainingConfig
 from arctic_rl_core.engines.sampling.protocol import SamplingEngineOptions
 from arctic_rl_core.engines.training.worker import WorkerSpec
 from arctic_rl_core.errors import BadRequest, NotFound
-from arctic_rl_core.ops import OPS, JobKind, Op, Processing
+from arctic_rl_core.ops import JobKind, Op, Processing
 from arctic_rl_core.server import placement
 from arctic_rl_core.server.deepspeed_jobs import DeepSpeedJob, LogProbJob, TrainingJob
-from arctic_rl_core.server.jobs import Job, JobState
+from arctic_rl_core.server.jobs import Job
 from arctic_rl_core.server.sampling_job import SamplingJob
 
 logger = logging.getLogger(__name__)
@@ -114,6 +114,9 @@ class JobManager:
         if self._on_stop is not None:
             self._on_stop()
         return {"status": "stopping"}
+
+    async def echo(self, payload: Any) -> Any:
+        return payload
 
     async def destroy_all(self) -> None:
         # Training first: it may hold the NCCL group the others joined.
@@ -240,6 +243,3 @@ def sampling_options(config: ArcticRLClientConfig, device: str) -> SamplingEngin
     except ValueError as exc:
         raise BadRequest(f"vllm_config: {exc}") from None
 
-
-def routed_ops() -> list[Op]:
-    return list(OPS.values())
