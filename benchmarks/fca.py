@@ -91,7 +91,7 @@ def kernel_case(groups: int, per_group: int, prefix: int, suffix: int, target_it
     runs = {}
     for name, plan, wide in (("fca", fca_plan, True), ("plain", plain_plan, False)):
         device_plan = kernel.DevicePlan.from_plan(plan, "cuda")
-        workspace = kernel.Workspace.allocate(plan.num_partial_rows, HEADS, DIM, "cuda")
+        workspace = kernel.Workspace.allocate(plan.num_partial_rows, HEADS, DIM, "cuda", torch.bfloat16)
         out = torch.empty_like(q)
 
         def run(layer, device_plan=device_plan, workspace=workspace, out=out, wide=wide):
@@ -150,7 +150,7 @@ def kernel_benchmark() -> None:
 
 
 def e2e_benchmark(model_dir: Path, group: int, prompt_len: int, new_tokens: int) -> None:
-    from sampling import build_qwen2_05b, native_engine
+    from sampling import build_qwen2_05b, gpu_ms, native_engine
 
     from arctic_rl_core.engines.sampling.protocol import SamplingParams
 
@@ -173,6 +173,11 @@ def e2e_benchmark(model_dir: Path, group: int, prompt_len: int, new_tokens: int)
         torch.cuda.synchronize()
         total = time.perf_counter() - start
         results[use_fca] = (total, prefill, outputs[0].completions)
+        step_ms = (total - prefill) / (new_tokens - 1) * 1e3
+        graph = engine.runner.graphs[(group, use_fca)]
+        graph_ms = gpu_ms(graph.replay)
+        print(f"  FCA {'on ' if use_fca else 'off'}: decode step {step_ms:.3f} ms wall = graph replay (model, attention, "
+              f"LM head) {graph_ms:.3f} ms + sampling and host work {step_ms - graph_ms:.3f} ms")  # fmt: skip
         engine.shutdown()
         del engine
         torch.cuda.empty_cache()
@@ -182,14 +187,15 @@ def e2e_benchmark(model_dir: Path, group: int, prompt_len: int, new_tokens: int)
     print(f"  FCA off: {off:7.3f} s rollout (prefill {off_prefill:.3f} s), decode {decode_tokens / (off - off_prefill):8.0f} tok/s")
     print(f"  FCA on : {on:7.3f} s rollout (prefill {on_prefill:.3f} s), decode {decode_tokens / (on - on_prefill):8.0f} tok/s")
     print(f"  rollout speedup {off / on:.2f}x (target 1.5x); decode-only speedup {(off - off_prefill) / (on - on_prefill):.2f}x")
-    diffs, same, total_tokens = [], 0, 0
+    diffs, total_tokens = [], 0
     for a, b in zip(on_out, off_out):
+        # Log-probs of the same token in the same context: up to (and including) the first sampled difference.
         for token_a, token_b, lp_a, lp_b in zip(a.token_ids, b.token_ids, a.logprobs, b.logprobs):
-            diffs.append(abs(lp_a - lp_b))
             if token_a != token_b:
                 break
-            same += 1
+            diffs.append(abs(lp_a - lp_b))
         total_tokens += len(a.token_ids)
+    same = len(diffs)
     print(f"  bf16 FCA on vs off: max |logprob diff| {max(diffs):.3e} over {len(diffs)} tokens compared while the "
           f"sampled tokens agree; {same / total_tokens:.1%} of tokens identical before any divergence")  # fmt: skip
 

@@ -28,10 +28,10 @@ ITEM_FIELDS = 6
 DIRECT = -1  # PARTIAL_ROW of an item that writes its queries' final output
 
 KV_ALIGN = 64  # KV positions per kernel step; chunks are multiples of it
-# A shared-prefix chunk writes rows * head_dim float32 partials and reads
-# chunk * head_dim * 2 (K and V) cache values; this keeps the writes a small
-# fraction of the reads.
-PARTIAL_WRITE_RATIO = 4
+# A shared-prefix chunk writes rows * head_dim partials and reads chunk *
+# head_dim * 2 (K and V) cache values: chunk >= 2 * rows keeps the writes
+# under a quarter of the reads, while leaving enough chunks to fill the device.
+PARTIAL_WRITE_RATIO = 2
 
 
 @dataclass(frozen=True)

@@ -27,11 +27,12 @@ class AttentionMetadata:
     context_lens: list[int] = field(default_factory=list)
     query_lens: list[int] = field(default_factory=list)
     forest: PrefixForest | None = None
-    # The GPU kernel's inputs: a DevicePlan, a Workspace and which of its launches to make.
+    # The GPU kernel's inputs: a DevicePlan, a Workspace, whether the plan has wide (group) tiles and partials.
     plan: object | None = None
     workspace: object | None = None
     tiles: TileShape | None = None
-    launches: tuple[bool, bool, bool] = (True, True, True)
+    wide: bool = True
+    merge: bool = True
 
 
 def attend(
@@ -41,10 +42,9 @@ def attend(
     if meta.plan is not None:
         from arctic_rl_core.zorro.attention import triton_attention
 
-        wide, narrow, merge = meta.launches
         return triton_attention.paged_attention(
             q, k_cache, v_cache, meta.block_tables, meta.positions, meta.plan, meta.workspace, scale, meta.tiles,
-            wide=wide, narrow=narrow, merge=merge,
+            wide=meta.wide, merge=meta.merge,
         )  # fmt: skip
     if meta.is_prefill:
         return reference.paged_prefill_attention(

@@ -124,7 +124,7 @@ class ModelRunner:
                                          max_rows, self.device)  # fmt: skip
             from arctic_rl_core.zorro.attention.triton_attention import Workspace
 
-            self.workspace = Workspace.allocate(max_rows, spec.num_heads, spec.head_dim, self.device)
+            self.workspace = Workspace.allocate(max_rows, spec.num_heads, spec.head_dim, self.device, config.dtype)
             self.num_blocks = self._profile_num_blocks()
         else:
             self.num_blocks = self._cpu_num_blocks()
@@ -230,7 +230,7 @@ class ModelRunner:
             plan = plan_prefill(query_lens, context_lens, self.tiles)
             meta.plan = DevicePlan.from_plan(plan, self.device)
             meta.workspace, meta.tiles = self.workspace, self.tiles
-            meta.launches = (len(plan.wide_items) > 0, len(plan.narrow_items) > 0, False)
+            meta.wide, meta.merge = len(plan.wide_items) > 0, False
         return meta
 
     def _prefill(self, seqs: list[Sequence]) -> torch.Tensor:
@@ -279,7 +279,7 @@ class ModelRunner:
         return AttentionMetadata(
             is_prefill=False, slot_mapping=d["slots"][:n], positions=d["positions"][:n],
             block_tables=self.staging.tables_dev[:n], plan=self.staging.device_plan(n), workspace=self.workspace,
-            tiles=self.tiles, launches=(wide, True, True),
+            tiles=self.tiles, wide=wide,
         )  # fmt: skip
 
     def _decode_eager(self, n: int, wide: bool) -> torch.Tensor:

@@ -55,26 +55,23 @@ class Sampler:
     def __init__(self, eos_token_ids: frozenset[int], device: torch.device):
         self.eos_token_ids = sorted(eos_token_ids)
         self.device = device
+        # Per-batch constants (temperatures, top-k/top-p rows) are rebuilt only when the batch changes.
+        self._batch_key: tuple[int, ...] = ()
+        self._temperature: torch.Tensor | None = None
+        self._filtered: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int], list[float]]:
-        rows = len(seqs)
-        params = [s.params for s in seqs]
-        temperature = torch.tensor([p.temperature for p in params], dtype=torch.float32)
-        keys = torch.tensor([row_key(s.noise_key, s.num_completion_tokens) for s in seqs], dtype=torch.int64)
-        banned_lists = [self._banned(s) for s in seqs]
-        width = max(map(len, banned_lists), default=0)
-        banned = torch.full((rows, width), -1, dtype=torch.int32)
-        for i, ids in enumerate(banned_lists):
-            banned[i, : len(ids)] = torch.tensor(ids, dtype=torch.int32)
-
         device = self.device
-        temperature, keys, banned = (t.to(device, non_blocking=True) for t in (temperature, keys, banned))
-        floor = torch.full((rows,), float("-inf"), device=device)
-        filtered = [i for i, p in enumerate(params) if not p.greedy and (p.top_k_enabled or p.top_p < 1.0)]
-        if filtered:
-            index = torch.tensor(filtered, device=device)
-            top_k = torch.tensor([params[i].top_k for i in filtered], device=device)
-            top_p = torch.tensor([params[i].top_p for i in filtered], dtype=torch.float32, device=device)
+        key = tuple(s.seq_id for s in seqs)
+        if key != self._batch_key:
+            self._prepare_batch(key, seqs)
+        temperature = self._temperature
+        keys = torch.tensor([row_key(s.noise_key, s.num_completion_tokens) for s in seqs], dtype=torch.int64)
+        keys = keys.to(device, non_blocking=True)
+        banned = self._banned(seqs).to(device, non_blocking=True)
+        floor = torch.full((len(seqs),), float("-inf"), device=device)
+        if self._filtered is not None:
+            index, top_k, top_p = self._filtered
             floor[index] = min_logits(logits[index], temperature[index], top_k, top_p)
         tokens, logprobs = ops.sample_tokens(logits, temperature, floor, keys, banned)
         if device.type == "cuda":
@@ -82,9 +79,30 @@ class Sampler:
             return out[0].long().tolist(), out[1].tolist()
         return tokens.tolist(), logprobs.tolist()
 
-    def _banned(self, seq: Sequence) -> list[int]:
-        """Tokens that would end the sequence before ``min_tokens``."""
-        p = seq.params
-        if seq.num_completion_tokens >= p.min_tokens:
-            return []
-        return list(p.stop_token_ids) + ([] if p.ignore_eos else self.eos_token_ids)
+    def _prepare_batch(self, key: tuple[int, ...], seqs: list[Sequence]) -> None:
+        params = [s.params for s in seqs]
+        self._batch_key = key
+        self._temperature = torch.tensor([p.temperature for p in params], dtype=torch.float32).to(self.device)
+        filtered = [i for i, p in enumerate(params) if not p.greedy and (p.top_k_enabled or p.top_p < 1.0)]
+        self._filtered = None
+        if filtered:
+            self._filtered = (
+                torch.tensor(filtered, device=self.device),
+                torch.tensor([params[i].top_k for i in filtered], device=self.device),
+                torch.tensor([params[i].top_p for i in filtered], dtype=torch.float32, device=self.device),
+            )
+
+    def _banned(self, seqs: list[Sequence]) -> torch.Tensor:
+        """Per row, the tokens that would end it before ``min_tokens`` (-1 pads)."""
+        lists = [
+            list(s.params.stop_token_ids) + ([] if s.params.ignore_eos else self.eos_token_ids)
+            if s.num_completion_tokens < s.params.min_tokens
+            else []
+            for s in seqs
+        ]
+        width = max(map(len, lists), default=0)
+        banned = torch.full((len(seqs), width), -1, dtype=torch.int32)
+        for i, ids in enumerate(lists):
+            if ids:
+                banned[i, : len(ids)] = torch.tensor(ids, dtype=torch.int32)
+        return banned

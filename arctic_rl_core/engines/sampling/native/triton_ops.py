@@ -124,11 +124,14 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
-def _sample_kernel(
-    LOGITS, TEMPERATURE, MIN_LOGIT, ROW_KEYS, BANNED, TOKENS, LOGPROBS, stride_l, stride_b, vocab,
-    NUM_BANNED: tl.constexpr, BLOCK: tl.constexpr,
+def _sample_split_kernel(
+    LOGITS, TEMPERATURE, MIN_LOGIT, ROW_KEYS, BANNED, PART_MAX, PART_SUM, PART_BEST, PART_INDEX,
+    stride_l, stride_b, vocab, num_splits,
+    NUM_BANNED: tl.constexpr, SPLIT: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
+    """One slice of one row's vocabulary: its logit max and exp-sum (for the log-prob) and its best Gumbel score."""
     row = tl.program_id(0).to(tl.int64)
+    split = tl.program_id(1)
     temperature = tl.load(TEMPERATURE + row)
     greedy = temperature == 0.0
     inv_t = tl.where(greedy, 1.0, 1.0 / tl.where(greedy, 1.0, temperature))
@@ -139,7 +142,7 @@ def _sample_kernel(
     run_sum = 0.0
     best = float("-inf")
     best_index = 0
-    for v0 in range(0, vocab, BLOCK):
+    for v0 in range(split * SPLIT, tl.minimum(vocab, (split + 1) * SPLIT), BLOCK):
         index = v0 + tl.arange(0, BLOCK)
         valid = index < vocab
         x = tl.load(LOGITS + row * stride_l + index, mask=valid, other=float("-inf")).to(tl.float32)
@@ -164,17 +167,52 @@ def _sample_kernel(
         take = chunk_best > best
         best_index = tl.where(take, chunk_index, best_index)
         best = tl.where(take, chunk_best, best)
-    chosen = tl.load(LOGITS + row * stride_l + best_index).to(tl.float32)
-    tl.store(TOKENS + row, best_index.to(tl.int64))
-    tl.store(LOGPROBS + row, chosen - run_max - tl.log(run_sum))
+    out = row * num_splits + split
+    tl.store(PART_MAX + out, run_max)
+    tl.store(PART_SUM + out, run_sum)
+    tl.store(PART_BEST + out, best)
+    tl.store(PART_INDEX + out, best_index)
+
+
+@triton.jit
+def _sample_combine_kernel(
+    LOGITS, PART_MAX, PART_SUM, PART_BEST, PART_INDEX, TOKENS, LOGPROBS, stride_l, num_splits,
+    SPLITS_PAD: tl.constexpr,
+):  # fmt: skip
+    """A row's token (the best slice's best; the lowest index on ties, as argmax) and its raw log-prob."""
+    row = tl.program_id(0).to(tl.int64)
+    splits = tl.arange(0, SPLITS_PAD)
+    valid = splits < num_splits
+    part = row * num_splits + splits
+    maxes = tl.load(PART_MAX + part, mask=valid, other=float("-inf"))
+    sums = tl.load(PART_SUM + part, mask=valid, other=0.0)
+    top = tl.max(maxes, axis=0)
+    lse = top + tl.log(tl.sum(sums * tl.exp(maxes - top), axis=0))
+    best = tl.load(PART_BEST + part, mask=valid, other=float("-inf"))
+    winner = tl.argmax(best, axis=0)
+    token = tl.sum(tl.where(splits == winner, tl.load(PART_INDEX + part, mask=valid, other=0), 0), axis=0)
+    tl.store(TOKENS + row, token.to(tl.int64))
+    tl.store(LOGPROBS + row, tl.load(LOGITS + row * stride_l + token).to(tl.float32) - lse)
+
+
+SAMPLE_SPLIT = 4096  # vocabulary entries per program: a 150k vocabulary spreads over ~40 programs per row
 
 
 def sample_tokens(logits, temperature, min_logit, row_keys, banned):
     rows, vocab = logits.shape
-    tokens = torch.empty(rows, dtype=torch.int64, device=logits.device)
-    logprobs = torch.empty(rows, dtype=torch.float32, device=logits.device)
-    _sample_kernel[(rows,)](
-        logits, temperature, min_logit, row_keys, banned, tokens, logprobs, logits.stride(0), banned.stride(0), vocab,
-        NUM_BANNED=banned.shape[1], BLOCK=2048, num_warps=8,
+    dev = logits.device
+    splits = triton.cdiv(vocab, SAMPLE_SPLIT)
+    part_max, part_sum, part_best = (torch.empty(rows, splits, dtype=torch.float32, device=dev) for _ in range(3))
+    part_index = torch.empty(rows, splits, dtype=torch.int32, device=dev)
+    _sample_split_kernel[(rows, splits)](
+        logits, temperature, min_logit, row_keys, banned, part_max, part_sum, part_best, part_index,
+        logits.stride(0), banned.stride(0), vocab, splits,
+        NUM_BANNED=banned.shape[1], SPLIT=SAMPLE_SPLIT, BLOCK=1024, num_warps=4,
+    )  # fmt: skip
+    tokens = torch.empty(rows, dtype=torch.int64, device=dev)
+    logprobs = torch.empty(rows, dtype=torch.float32, device=dev)
+    _sample_combine_kernel[(rows,)](
+        logits, part_max, part_sum, part_best, part_index, tokens, logprobs, logits.stride(0), splits,
+        SPLITS_PAD=triton.next_power_of_2(splits), num_warps=1,
     )  # fmt: skip
     return tokens, logprobs
