@@ -59,7 +59,9 @@ def graph_us(fn, layers: int = LAYERS, replays: int = 30) -> float:
     return sorted(times)[replays // 2]
 
 
-def kernel_case(groups: int, per_group: int, prefix: int, suffix: int, target_items: int) -> dict:
+def kernel_case(
+    groups: int, per_group: int, prefix: int, suffix: int, target_items: int, tiles: TileShape, with_sdpa: bool = True
+) -> dict:
     from arctic_rl_core.zorro.attention import triton_attention as kernel
 
     n = groups * per_group
@@ -81,7 +83,6 @@ def kernel_case(groups: int, per_group: int, prefix: int, suffix: int, target_it
     q = randn(n, HEADS, DIM)
     block_tables = torch.tensor(tables, dtype=torch.int32, device="cuda")
     positions = torch.tensor([x - 1 for x in lengths], dtype=torch.int32, device="cuda")
-    tiles = TileShape(HEADS // KV_HEADS)
 
     forest = build_forest(tables, lengths, BLOCK)
     start = time.perf_counter()
@@ -100,23 +101,28 @@ def kernel_case(groups: int, per_group: int, prefix: int, suffix: int, target_it
 
         runs[name] = (run, out)
 
-    # SDPA over each request's contiguous KV; GQA as 7 query rows per KV head (flash's fastest decode form).
-    index = torch.arange(prefix + suffix, device="cuda")
-    slots = (block_tables[:, index // BLOCK].long() * BLOCK + index % BLOCK).flatten()
-    sdpa_kv = [tuple(c.flatten(0, 1)[slots].view(n, -1, KV_HEADS, DIM).transpose(1, 2).contiguous() for c in cache)
-               for cache in caches]  # fmt: skip
-    q_rows = q.view(n, KV_HEADS, HEADS // KV_HEADS, DIM)
-    sdpa_out = {}
-
-    def sdpa(layer):
-        with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.FLASH_ATTENTION):
-            sdpa_out["o"] = F.scaled_dot_product_attention(q_rows, *sdpa_kv[layer], scale=SCALE)
-
-    times = {"sdpa": graph_us(sdpa), **{name: graph_us(run) for name, (run, _) in runs.items()}}
+    times = {name: graph_us(run) for name, (run, _) in runs.items()}
     fca_out, plain_out = runs["fca"][1], runs["plain"][1]
-    sdpa_flat = sdpa_out["o"].reshape(n, HEADS, DIM)
     reference = paged_decode_attention(q.float(), caches[-1][0].float(), caches[-1][1].float(), block_tables, lengths,
                                        SCALE)  # fmt: skip
+    sdpa_diff = float("nan")
+    if with_sdpa:
+        # SDPA over each request's contiguous KV; GQA as 7 query rows per KV head (flash's fastest decode form).
+        index = torch.arange(prefix + suffix, device="cuda")
+        slots = (block_tables[:, index // BLOCK].long() * BLOCK + index % BLOCK).flatten()
+        sdpa_kv = [
+            tuple(c.flatten(0, 1)[slots].view(n, -1, KV_HEADS, DIM).transpose(1, 2).contiguous() for c in cache)
+            for cache in caches
+        ]
+        q_rows = q.view(n, KV_HEADS, HEADS // KV_HEADS, DIM)
+        sdpa_out = {}
+
+        def sdpa(layer):
+            with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.FLASH_ATTENTION):
+                sdpa_out["o"] = F.scaled_dot_product_attention(q_rows, *sdpa_kv[layer], scale=SCALE)
+
+        times["sdpa"] = graph_us(sdpa)
+        sdpa_diff = (sdpa_out["o"].reshape(n, HEADS, DIM).float() - reference).abs().max().item()
     token_bytes = 2 * KV_HEADS * DIM * 2  # K and V, bf16
     return {
         "times": times,
@@ -126,15 +132,18 @@ def kernel_case(groups: int, per_group: int, prefix: int, suffix: int, target_it
         "items": (len(fca_plan.wide_items), len(fca_plan.narrow_items)),
         "diff_fca_plain": (fca_out.float() - plain_out.float()).abs().max().item(),
         "diff_fca_ref": (fca_out.float() - reference).abs().max().item(),
-        "diff_sdpa_ref": (sdpa_flat.float() - reference).abs().max().item(),
+        "diff_sdpa_ref": sdpa_diff,
     }
 
 
-def kernel_benchmark() -> None:
+CASES = (("64 requests, 4 groups x 16", 4, 16, 6.0), ("16 requests, 1 group", 1, 16, 3.0))
+
+
+def kernel_benchmark(tiles: TileShape) -> None:
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     target = 4 * sms // KV_HEADS  # what the engine uses
-    for label, groups, per_group, goal in (("64 requests, 4 groups x 16", 4, 16, 6.0), ("16 requests, 1 group", 1, 16, 3.0)):
-        r = kernel_case(groups, per_group, 8192, 256, target)
+    for label, groups, per_group, goal in CASES:
+        r = kernel_case(groups, per_group, 8192, 256, target, tiles)
         t = r["times"]
         print(f"\n[{label}, shared prefix 8192, suffix 256]  ideal byte reduction {r['plain_bytes'] / r['fca_bytes']:.1f}x")
         for name, nbytes in (("sdpa", r["plain_bytes"]), ("plain", r["plain_bytes"]), ("fca", r["fca_bytes"])):
@@ -147,6 +156,27 @@ def kernel_benchmark() -> None:
               f"(once per batch change)")  # fmt: skip
         print(f"  bf16 max |FCA - plain| = {r['diff_fca_plain']:.2e};  vs fp32 reference: FCA {r['diff_fca_ref']:.2e}, "
               f"SDPA {r['diff_sdpa_ref']:.2e}")  # fmt: skip
+
+
+def kernel_sweep() -> None:
+    """The FCA kernel's tile shapes side by side (no SDPA): where the defaults in ``TileShape`` come from."""
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    group = HEADS // KV_HEADS
+    shapes = [
+        TileShape(group, wide_rows=128, wide_warps=8, chunk_per_row=2),
+        TileShape(group),
+        TileShape(group, wide_rows=64, wide_warps=4, chunk_per_row=4, block_n=32),
+        TileShape(group, wide_rows=128, wide_warps=8, chunk_per_row=2, block_n=32),
+        TileShape(group, wide_rows=64, wide_warps=4, chunk_per_row=2),
+        TileShape(group, wide_rows=64, wide_warps=4, chunk_per_row=4, block_n=128),
+    ]
+    for tiles in shapes:
+        cells = []
+        for label, groups, per_group, _ in CASES:
+            r = kernel_case(groups, per_group, 8192, 256, 4 * sms // KV_HEADS, tiles, with_sdpa=False)
+            cells.append(f"{label[:12]}: fca {r['times']['fca']:6.1f} us plain {r['times']['plain']:6.1f} us")
+        print(f"sweep {tiles.wide_rows:3d} rows {tiles.wide_warps} warps block_n {tiles.block_n:3d} "
+              f"chunk/row {tiles.chunk_per_row}  |  " + "  |  ".join(cells))  # fmt: skip
 
 
 def e2e_benchmark(model_dir: Path, group: int, prompt_len: int, new_tokens: int) -> None:
@@ -203,10 +233,14 @@ def e2e_benchmark(model_dir: Path, group: int, prompt_len: int, new_tokens: int)
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--skip-e2e", action="store_true")
+    parser.add_argument("--sweep", action="store_true", help="compare tile shapes of the kernel and exit")
     parser.add_argument("--model-dir", type=Path, default=Path(tempfile.gettempdir()) / "qwen2-0.5b-random")
     args = parser.parse_args()
     print(f"device: {torch.cuda.get_device_name()}")
-    kernel_benchmark()
+    if args.sweep:
+        kernel_sweep()
+        return
+    kernel_benchmark(TileShape(HEADS // KV_HEADS))
     if not args.skip_e2e:
         e2e_benchmark(args.model_dir, group=16, prompt_len=8192, new_tokens=512)
 

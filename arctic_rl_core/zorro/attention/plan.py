@@ -27,20 +27,28 @@ QUERY_OFFSET, QUERY_COUNT, TABLE_ROW, KV_START, KV_END, PARTIAL_ROW = range(6)
 ITEM_FIELDS = 6
 DIRECT = -1  # PARTIAL_ROW of an item that writes its queries' final output
 
-KV_ALIGN = 64  # KV positions per kernel step; chunks are multiples of it
-# A shared-prefix chunk writes rows * head_dim partials and reads chunk *
-# head_dim * 2 (K and V) cache values: chunk >= 2 * rows keeps the writes
-# under a quarter of the reads, while leaving enough chunks to fill the device.
-PARTIAL_WRITE_RATIO = 2
+KV_ALIGN = 64  # KV positions per kernel step at most; chunks are multiples of it
 
 
 @dataclass(frozen=True)
 class TileShape:
-    """Query rows per tile: ``rows // group`` queries of ``group`` heads each share one KV head's tile."""
+    """How the kernel tiles work: ``rows // group`` queries of ``group`` heads share one KV head's tile.
+
+    ``block_n`` KV positions are streamed per step; wide tiles run with
+    ``wide_warps`` warps. A multi-query chunk writes ``rows * head_dim``
+    partials and reads ``chunk * head_dim * 2`` cache values, so chunks are at
+    least ``chunk_per_row * rows`` long: the writes stay a small fraction of
+    the reads while enough chunks remain to fill the device.
+    """
 
     group: int
-    wide_rows: int = 128
+    # Defaults from ``benchmarks/fca.py --sweep`` on an H200 (Qwen2-0.5B attention shape): 64-row wide tiles
+    # ran the grouped cases fastest without slowing plain decode.
+    wide_rows: int = 64
     narrow_rows: int = 16
+    block_n: int = 64
+    wide_warps: int = 4
+    chunk_per_row: int = 4
 
     def __post_init__(self):
         if self.group < 1 or self.group > self.narrow_rows:
@@ -174,7 +182,7 @@ def plan_decode(
     total = int((t.end - t.start).sum())
     floor = max(KV_ALIGN, _round_up(-(-total // max(target_items, 1)), KV_ALIGN))
     # A multi-query tile writes rows * head_dim partials per chunk: keep its chunks long enough to amortise that.
-    group_floor = -(-PARTIAL_WRITE_RATIO * t.count * tiles.group // KV_ALIGN) * KV_ALIGN
+    group_floor = -(-tiles.chunk_per_row * t.count * tiles.group // KV_ALIGN) * KV_ALIGN
     longest = int((t.end - t.start).max(initial=0))
     while True:
         chunk = np.where(t.count == 1, floor, np.maximum(floor, group_floor))

@@ -50,6 +50,8 @@ def _attend_item(
     q = tl.load(Q + token[:, None] * stride_qt + head[:, None] * stride_qh + dims[None, :], mask=row_valid[:, None],
                 other=0.0)  # fmt: skip
     kv_stop = tl.minimum(kv_end, tl.max(position, axis=0) + 1)
+    # Steps wholly before every query's position and the range end need no mask (all of decode but the last).
+    unmasked_end = tl.minimum(kv_stop, tl.min(tl.where(row_valid, position, kv_stop), axis=0) + 1)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -62,7 +64,8 @@ def _attend_item(
         k = tl.load(K_CACHE + kv_offsets, mask=kv_valid[:, None], other=0.0)
         v = tl.load(V_CACHE + kv_offsets, mask=kv_valid[:, None], other=0.0)
         scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
-        scores = tl.where(kv_valid[None, :] & (kv_pos[None, :] <= position[:, None]), scores, float("-inf"))
+        if kv0 + BLOCK_N > unmasked_end:
+            scores = tl.where(kv_valid[None, :] & (kv_pos[None, :] <= position[:, None]), scores, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(scores, axis=1))
         # A row that has seen no visible key keeps m = -inf; shift by 0 there to avoid inf - inf.
         m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -227,18 +230,18 @@ def paged_attention(
         out = torch.empty_like(q)
     if k_cache.stride(3) != 1 or q.stride(2) != 1 or out.stride(2) != 1:
         raise ValueError("paged_attention needs the head dimension contiguous in q, out and the caches")
-    on_gpu = q.is_cuda
-    # Wide tiles hold the most registers: two programs per multiprocessor; narrow-only kernels fit four.
-    programs = (torch.cuda.get_device_properties(q.device).multi_processor_count * (2 if wide else 4)) if on_gpu else 4
+    warps = tiles.wide_warps if wide else 4
+    # About 16 warps resident per multiprocessor.
+    programs = torch.cuda.get_device_properties(q.device).multi_processor_count * (16 // warps) if q.is_cuda else 4
     _attend_items[(programs,)](
         q, k_cache, v_cache, out, workspace.partial_out, workspace.partial_lse, block_tables, plan.wide_items,
         plan.narrow_items, plan.counts, plan.query_index, query_positions, scale * LOG2E,
         q.stride(0), q.stride(1), k_cache.stride(1), k_cache.stride(2), out.stride(0), out.stride(1),
         block_tables.stride(0),
         NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, GROUP=tiles.group, HEAD_DIM=head_dim,
-        BLOCK_SIZE=k_cache.shape[1], WIDE_M=tiles.wide_rows, NARROW_M=tiles.narrow_rows, BLOCK_N=64,
+        BLOCK_SIZE=k_cache.shape[1], WIDE_M=tiles.wide_rows, NARROW_M=tiles.narrow_rows, BLOCK_N=tiles.block_n,
         HAS_WIDE=wide, NUM_PROGRAMS=programs, PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        num_warps=8 if wide else 4, num_stages=2,
+        num_warps=warps, num_stages=2,
     )  # fmt: skip
     if merge:
         _merge_partials[(num_tokens, num_heads)](
