@@ -145,7 +145,8 @@ def kernel_benchmark(tiles: TileShape) -> None:
     for label, groups, per_group, goal in CASES:
         r = kernel_case(groups, per_group, 8192, 256, target, tiles)
         t = r["times"]
-        print(f"\n[{label}, shared prefix 8192, suffix 256]  ideal byte reduction {r['plain_bytes'] / r['fca_bytes']:.1f}x")
+        reduction = r["plain_bytes"] / r["fca_bytes"]
+        print(f"\n[{label}, shared prefix 8192, suffix 256]  ideal byte reduction {reduction:.1f}x")
         for name, nbytes in (("sdpa", r["plain_bytes"]), ("plain", r["plain_bytes"]), ("fca", r["fca_bytes"])):
             what = {"sdpa": "PyTorch SDPA flash, per-request KV", "plain": "our kernel, no grouping (paged)",
                     "fca": "FCA kernel (grouped prefix + suffix + merge)"}[name]  # fmt: skip
@@ -206,7 +207,8 @@ def e2e_benchmark(model_dir: Path, group: int, prompt_len: int, new_tokens: int)
         step_ms = (total - prefill) / (new_tokens - 1) * 1e3
         graph = engine.runner.graphs[(group, use_fca)]
         graph_ms = gpu_ms(graph.replay)
-        print(f"  FCA {'on ' if use_fca else 'off'}: decode step {step_ms:.3f} ms wall = graph replay (model, attention, "
+        state = "on " if use_fca else "off"
+        print(f"  FCA {state}: decode step {step_ms:.3f} ms wall = graph replay (model, attention, "
               f"LM head) {graph_ms:.3f} ms + sampling and host work {step_ms - graph_ms:.3f} ms")  # fmt: skip
         engine.shutdown()
         del engine
@@ -214,9 +216,11 @@ def e2e_benchmark(model_dir: Path, group: int, prompt_len: int, new_tokens: int)
     (on, on_prefill, on_out), (off, off_prefill, off_out) = results[True], results[False]
     decode_tokens = group * (new_tokens - 1)
     print(f"\n[end to end: G={group}, prompt {prompt_len}, {new_tokens} new tokens, Qwen2-0.5B shape, bf16]")
-    print(f"  FCA off: {off:7.3f} s rollout (prefill {off_prefill:.3f} s), decode {decode_tokens / (off - off_prefill):8.0f} tok/s")
-    print(f"  FCA on : {on:7.3f} s rollout (prefill {on_prefill:.3f} s), decode {decode_tokens / (on - on_prefill):8.0f} tok/s")
-    print(f"  rollout speedup {off / on:.2f}x (target 1.5x); decode-only speedup {(off - off_prefill) / (on - on_prefill):.2f}x")
+    for label, total, prefill in (("off", off, off_prefill), ("on ", on, on_prefill)):
+        rate = decode_tokens / (total - prefill)
+        print(f"  FCA {label}: {total:7.3f} s rollout (prefill {prefill:.3f} s), decode {rate:8.0f} tok/s")
+    decode_speedup = (off - off_prefill) / (on - on_prefill)
+    print(f"  rollout speedup {off / on:.2f}x (target 1.5x); decode-only speedup {decode_speedup:.2f}x")
     diffs, total_tokens = [], 0
     for a, b in zip(on_out, off_out):
         # Log-probs of the same token in the same context: up to (and including) the first sampled difference.

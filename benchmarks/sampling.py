@@ -112,8 +112,12 @@ def decode_profile(engine, batch: int, vocab: int) -> None:
         return
     graph_ms = gpu_ms(runner.graphs[key].replay)
     logits = torch.randn(batch, vocab, device="cuda")
-    args = (torch.ones(batch, device="cuda"), torch.full((batch,), float("-inf"), device="cuda"),
-            torch.arange(batch, device="cuda"), torch.full((batch, 0), -1, dtype=torch.int32, device="cuda"))  # fmt: skip
+    args = (
+        torch.ones(batch, device="cuda"),
+        torch.full((batch,), float("-inf"), device="cuda"),
+        torch.arange(batch, device="cuda"),
+        torch.full((batch, 0), -1, dtype=torch.int32, device="cuda"),
+    )
     sampler_ms = gpu_ms(lambda: ops.sample_tokens(logits, *args))
     print(f"profile: decode graph replay (B={key[0]}) {graph_ms:.3f} ms, sampling kernel {sampler_ms:.3f} ms per step")
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
@@ -155,8 +159,8 @@ def main() -> None:
     wbytes = weight_bytes(engine.runner.model)
     bound = args.batch * bandwidth / wbytes
     native_tps, hf_tps = tokens / native_s, tokens / hf_s
-    print(f"model: Qwen2-0.5B shape, bf16, {wbytes / 1e9:.3f} GB of weights; B={args.batch}, "
-          f"prompt {args.prompt_len}, {args.new_tokens} new tokens; copy bandwidth {bandwidth / 1e12:.2f} TB/s")  # fmt: skip
+    print(f"model: Qwen2-0.5B shape, bf16, {wbytes / 1e9:.3f} GB of weights; B={args.batch}, prompt "
+          f"{args.prompt_len}, {args.new_tokens} new tokens; copy bandwidth {bandwidth / 1e12:.2f} TB/s")  # fmt: skip
     print(f"HF generate     : {hf_s:8.2f} s  {hf_tps:10.0f} tok/s")
     print(f"native engine   : {native_s:8.2f} s  {native_tps:10.0f} tok/s   (engine start {init_s:.1f} s, not timed)")
     print(f"speedup vs HF   : {native_tps / hf_tps:8.1f}x")

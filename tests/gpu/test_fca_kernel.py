@@ -67,9 +67,8 @@ def test_prefill_kernel_equals_reference():
     tables = [list(range(0, 70)), list(range(100, 103)), list(range(200, 260))]
     query_lens, lengths = [1100, 40, 1], [1100, 40, 950]
     q = torch.randn(sum(query_lens), HKV * GROUP, D, device="cuda").to(torch.bfloat16)
-    positions = torch.tensor(
-        [p for n, length in zip(query_lens, lengths) for p in range(length - n, length)], dtype=torch.int32, device="cuda"
-    )
+    positions = [p for n, length in zip(query_lens, lengths) for p in range(length - n, length)]
+    positions = torch.tensor(positions, dtype=torch.int32, device="cuda")
     tiles = TileShape(GROUP)
     out, block_tables = _run(q, caches, tables, lengths, plan_prefill(query_lens, lengths, tiles), positions, tiles)
     expected = paged_prefill_attention(q.float(), caches[0].float(), caches[1].float(), block_tables, query_lens,
@@ -104,7 +103,9 @@ def test_graph_replay_follows_the_plan_written_into_static_buffers():
     forest = build_forest(tables, lengths, BS)
     load(plan_decode(forest, lengths, tiles, 264), lengths)
     out = torch.empty_like(q)
-    run = lambda: kernel.paged_attention(q, *caches, block_tables, positions, static, workspace, D**-0.5, tiles, out=out)  # noqa: E731
+    def run():
+        kernel.paged_attention(q, *caches, block_tables, positions, static, workspace, D**-0.5, tiles, out=out)
+
     run()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):

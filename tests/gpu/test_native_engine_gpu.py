@@ -78,7 +78,8 @@ def test_sleep_frees_device_memory_and_wake_restores_it(models):
     torch.cuda.synchronize()
     allocated = torch.cuda.memory_allocated()
     report = engine.sleep(2)
-    assert torch.cuda.memory_allocated() <= allocated - report["freed_bytes"]["kv_cache"] - report["freed_bytes"]["weights"]
+    freed = report["freed_bytes"]
+    assert torch.cuda.memory_allocated() <= allocated - freed["kv_cache"] - freed["weights"]
     engine.wake()
     _close(engine.generate(PROMPTS, GREEDY), before, 1e-5)
 

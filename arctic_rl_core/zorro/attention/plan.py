@@ -95,7 +95,7 @@ class _Tiles:
 
     @classmethod
     def build(cls, groups: list[tuple[Sequence[int], int, int, int]], singles: tuple[np.ndarray, ...]) -> "_Tiles":
-        """From multi-query tiles ``(queries, table_row, start, end)`` and single-query arrays (query, row, start, end)."""
+        """From multi-query tiles ``(queries, table_row, start, end)`` and arrays of single-query ones."""
         single_q, single_row, single_start, single_end = singles
         counts = np.array([len(g[0]) for g in groups] + [1] * len(single_q), dtype=np.int64)
         return cls(

@@ -60,7 +60,8 @@ def _attend_item(
         kv_pos = kv0 + cols
         kv_valid = kv_pos < kv_stop
         block = tl.load(table + kv_pos // BLOCK_SIZE, mask=kv_valid, other=0).to(tl.int64)
-        kv_offsets = (block * BLOCK_SIZE + kv_pos % BLOCK_SIZE)[:, None] * stride_ks + kv_head * stride_kh + dims[None, :]
+        slot = block * BLOCK_SIZE + kv_pos % BLOCK_SIZE
+        kv_offsets = slot[:, None] * stride_ks + kv_head * stride_kh + dims[None, :]
         k = tl.load(K_CACHE + kv_offsets, mask=kv_valid[:, None], other=0.0)
         v = tl.load(V_CACHE + kv_offsets, mask=kv_valid[:, None], other=0.0)
         scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
@@ -167,7 +168,9 @@ class DevicePlan:
     merge_rows: torch.Tensor
 
     @classmethod
-    def empty(cls, max_items: int, max_query_refs: int, max_queries: int, max_partial_rows: int, device) -> "DevicePlan":
+    def empty(
+        cls, max_items: int, max_query_refs: int, max_queries: int, max_partial_rows: int, device
+    ) -> "DevicePlan":
         def buf(*shape):
             return torch.zeros(shape, dtype=torch.int32, device=device)
 

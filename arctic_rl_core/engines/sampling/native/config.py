@@ -62,8 +62,10 @@ class EngineConfig:
             raise ValueError(f"max_model_len={max_model_len} exceeds the model's max_position_embeddings="
                              f"{spec.max_position_embeddings}")  # fmt: skip
         if spec.sliding_window is not None and max_model_len > spec.sliding_window:
-            raise ValueError(f"max_model_len={max_model_len} exceeds the model's sliding_window={spec.sliding_window}, "
-                             "which the native engine does not implement; set max_model_len <= sliding_window")  # fmt: skip
+            raise ValueError(
+                f"max_model_len={max_model_len} exceeds the model's sliding_window={spec.sliding_window}, which the "
+                "native engine does not implement; set max_model_len <= sliding_window"
+            )
         batched = options.extra.get("max_num_batched_tokens", max(16384, max_model_len))
         if not isinstance(batched, int) or batched < max_model_len:
             raise ValueError(f"options.extra['max_num_batched_tokens']={batched!r}: expected an int >= "

@@ -96,8 +96,10 @@ def rotary_tables(config, head_dim: int, max_positions: int, device) -> tuple[to
     params = getattr(config, "rope_parameters", None) or {}
     rope_type = params.get("rope_type", "default")
     if rope_type not in SUPPORTED_ROPE_TYPES:
-        raise ValueError(f"rope_parameters.rope_type={rope_type!r} is not supported by the native engine; "
-                         f"expected one of {SUPPORTED_ROPE_TYPES} (length-dependent scaling needs a per-step table)")  # fmt: skip
+        raise ValueError(
+            f"rope_parameters.rope_type={rope_type!r} is not supported by the native engine; expected one of "
+            f"{SUPPORTED_ROPE_TYPES} (length-dependent scaling needs a per-step table)"
+        )
     if params.get("partial_rotary_factor", 1.0) != 1.0:
         raise ValueError(f"partial_rotary_factor={params['partial_rotary_factor']} is not supported; expected 1.0")
     if rope_type == "default":
@@ -196,7 +198,10 @@ class CausalLM(nn.Module):
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata
     ) -> torch.Tensor:
-        """Final hidden states ``[tokens, hidden]``; ``kv_cache`` is ``[layers, 2, blocks, block_size, kv_heads, head_dim]``."""
+        """Final hidden states ``[tokens, hidden]``.
+
+        ``kv_cache`` is ``[layers, 2, blocks, block_size, kv_heads, head_dim]``.
+        """
         x = F.embedding(input_ids, self.embed_tokens.weight)
         residual = None
         for i, layer in enumerate(self.layers):

@@ -291,9 +291,10 @@ class ModelRunner:
         bs = self.block_size
         lengths = [s.num_tokens for s in seqs]
         width = max(len(s.block_table) for s in seqs)
+        slots = [s.block_table[(n - 1) // bs] * bs + (n - 1) % bs for s, n in zip(seqs, lengths)]
         meta = AttentionMetadata(
             is_prefill=False,
-            slot_mapping=torch.tensor([s.block_table[(n - 1) // bs] * bs + (n - 1) % bs for s, n in zip(seqs, lengths)]),
+            slot_mapping=torch.tensor(slots),
             positions=torch.tensor([n - 1 for n in lengths]),
             block_tables=torch.tensor([s.block_table + [0] * (width - len(s.block_table)) for s in seqs],
                                       dtype=torch.int32),  # fmt: skip

@@ -15,7 +15,7 @@ import torch
 from arctic_rl_core.engines.sampling.native import ops
 from arctic_rl_core.engines.sampling.native.sequence import Sequence
 
-MASK32 = 0xFFFFFFFF
+MASK32 = ops.MASK32
 
 
 def _mix32(x: int) -> int:

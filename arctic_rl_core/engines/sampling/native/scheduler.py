@@ -64,8 +64,10 @@ class Scheduler:
             self._forest = None
         elif self.waiting and not self.running:
             seq = self.waiting[0]
-            raise RuntimeError(f"a sequence of {seq.num_tokens} tokens needs {seq.num_blocks} KV blocks; the cache has "
-                               f"{self.block_manager.num_blocks} (raise gpu_memory_utilization or lower max_model_len)")  # fmt: skip
+            raise RuntimeError(
+                f"a sequence of {seq.num_tokens} tokens needs {seq.num_blocks} KV blocks; the cache has "
+                f"{self.block_manager.num_blocks} (raise gpu_memory_utilization or lower max_model_len)"
+            )
         return Batch(seqs, is_prefill=True)
 
     def _schedule_decode(self) -> Batch:

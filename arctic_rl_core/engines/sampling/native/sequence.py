@@ -25,7 +25,13 @@ class Sequence:
     _ids = count()
 
     def __init__(
-        self, request_id, index: int, prompt_token_ids: list[int], params: SamplingParams, noise_key: int, block_size: int
+        self,
+        request_id,
+        index: int,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        noise_key: int,
+        block_size: int,
     ):
         self.seq_id = next(Sequence._ids)
         self.request_id = request_id
