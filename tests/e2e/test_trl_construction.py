@@ -1,0 +1,114 @@
+"""ArcticGRPOTrainer refuses, at construction and before starting anything, what the arctic engines cannot run.
+
+Every check runs before a deployment would start, so these tests need none.
+The configs name a remote server on a closed port: had a check let a
+configuration through, the trainer would fail to connect instead of raising
+the error a test expects.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+from datasets import Dataset  # noqa: E402
+from trl import GRPOConfig  # noqa: E402
+
+from arctic_rl_core import ArcticRLClientConfig  # noqa: E402
+from arctic_rl_trl import ArcticGRPOTrainer, UnsupportedGRPOOption  # noqa: E402
+from arctic_rl_trl.engine_config import training_config_from_grpo  # noqa: E402
+
+
+def constant_reward(completions, **_):
+    return [0.0] * len(completions)
+
+
+def grpo_args(tmp_path, **options) -> GRPOConfig:
+    base = dict(
+        output_dir=str(tmp_path), per_device_train_batch_size=4, num_generations=4, max_completion_length=8,
+        bf16=False, use_cpu=True, report_to=[], gradient_checkpointing=False, max_steps=2,
+    )  # fmt: skip
+    return GRPOConfig(**{**base, **options})
+
+
+def arctic_config(model: str, **options) -> ArcticRLClientConfig:
+    base = dict(
+        model_name=model, backend="remote", host="127.0.0.1", port=9, device="cpu", training_gpus=1, sampling_gpus=1
+    )
+    return ArcticRLClientConfig(**{**base, **options})
+
+
+def build(model, args, config, **trainer_options):
+    dataset = Dataset.from_dict({"prompt": ["a b c", "d e f"]})
+    return ArcticGRPOTrainer(
+        model=model, reward_funcs=constant_reward, args=args, train_dataset=dataset, arctic_config=config,
+        **trainer_options,
+    )  # fmt: skip
+
+
+def test_use_vllm_with_the_arctic_sampler_is_refused_by_name(tiny_model, tmp_path):
+    with pytest.raises(UnsupportedGRPOOption, match=r"use_vllm=True: generation runs on the arctic sampling engine"):
+        build(tiny_model, grpo_args(tmp_path, use_vllm=True), arctic_config(tiny_model))
+
+
+def test_peft_config_is_refused_by_name(tiny_model, tmp_path):
+    peft = pytest.importorskip("peft")
+    lora = peft.LoraConfig(r=4, target_modules=["q_proj"])
+    with pytest.raises(UnsupportedGRPOOption, match=r"peft_config='LoraConfig': PEFT is not supported"):
+        build(tiny_model, grpo_args(tmp_path), arctic_config(tiny_model), peft_config=lora)
+
+
+def test_every_unsupported_option_is_listed_in_one_error(tiny_model, tmp_path):
+    args = grpo_args(
+        tmp_path, loss_type="cispo", importance_sampling_level="sequence", beta=0.1, top_entropy_quantile=0.2,
+        min_p=0.1, optim="sgd",
+    )  # fmt: skip
+    with pytest.raises(UnsupportedGRPOOption) as caught:
+        build(tiny_model, args, arctic_config(tiny_model, log_prob_gpus=1))
+    message = str(caught.value)
+    for option in ("loss_type='cispo'", "importance_sampling_level='sequence'", "use_bias_correction_kl=True",
+                   "top_entropy_quantile=0.2", "min_p=0.1", "optim="):  # fmt: skip
+        assert option in message
+
+
+def test_kl_penalty_without_a_log_prob_job_names_the_missing_job(tiny_model, tmp_path):
+    args = grpo_args(tmp_path, beta=0.04, use_bias_correction_kl=False)
+    with pytest.raises(UnsupportedGRPOOption, match=r"arctic_config.log_prob_gpus=0: a log_prob job is needed"):
+        build(tiny_model, args, arctic_config(tiny_model))
+
+
+def test_a_different_model_than_the_deployment_is_refused(tiny_model, tmp_path):
+    config = arctic_config(str(tmp_path / "another-model"))
+    with pytest.raises(UnsupportedGRPOOption, match=r"model=.*the arctic engines load"):
+        build(tiny_model, grpo_args(tmp_path), config)
+
+
+def test_optimizer_settings_in_the_arctic_config_conflict_with_grpo_config(tiny_model, tmp_path):
+    config = arctic_config(tiny_model, training_config={"optimizer": {"lr": 1e-5}, "dtype": "bfloat16"})
+    with pytest.raises(UnsupportedGRPOOption) as caught:
+        build(tiny_model, grpo_args(tmp_path), config)
+    assert "training_config['optimizer']" in str(caught.value)
+    assert "training_config['dtype']='bfloat16': GRPOConfig asks for 'float32'" in str(caught.value)
+
+
+def test_exactly_one_of_arctic_config_and_arctic_client_is_required(tiny_model, tmp_path):
+    dataset = Dataset.from_dict({"prompt": ["a b c"]})
+    with pytest.raises(TypeError, match="exactly one of arctic_config= .* or arctic_client="):
+        ArcticGRPOTrainer(model=tiny_model, reward_funcs=constant_reward, args=grpo_args(tmp_path), train_dataset=dataset)
+
+
+def test_grpo_config_sets_the_engine_optimizer_and_schedule(tmp_path):
+    args = grpo_args(
+        tmp_path, learning_rate=3e-6, adam_beta2=0.98, weight_decay=0.1, max_grad_norm=0.5,
+        lr_scheduler_type="cosine", warmup_steps=2, gradient_checkpointing=True,
+    )  # fmt: skip
+    config = training_config_from_grpo(args, max_steps=20)
+    assert config["optimizer"] == {
+        "lr": 3e-6, "weight_decay": 0.1, "beta1": 0.9, "beta2": 0.98, "eps": 1e-8, "gradient_clipping": 0.5,
+        "lr_scheduler_type": "cosine", "warmup_steps_proportion": 0.1, "total_train_steps": 20,
+    }  # fmt: skip
+    assert config["gradient_checkpointing"] is True
+    assert config["dtype"] == "float32"
