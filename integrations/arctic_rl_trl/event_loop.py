@@ -21,6 +21,10 @@ class EventLoopThread:
         self._thread = threading.Thread(target=self._loop.run_forever, name=name, daemon=True)
         self._thread.start()
 
+    @property
+    def closed(self) -> bool:
+        return self._loop.is_closed()
+
     def run(self, coroutine: Coroutine[Any, Any, T]) -> T:
         """Run ``coroutine`` on the loop and return its result (or raise its exception) here."""
         if self._loop.is_closed():

@@ -174,6 +174,8 @@ class ArcticGRPOTrainer(GRPOTrainer):
 
     def shutdown(self) -> None:
         """Stop the deployment this trainer started (a client passed in stays the caller's) and its event loop."""
+        if self._loop.closed:
+            return
         if self._owns_client:
             self._arctic(self.arctic_client.shutdown())
         self._loop.close()

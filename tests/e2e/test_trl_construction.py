@@ -95,9 +95,8 @@ def test_optimizer_settings_in_the_arctic_config_conflict_with_grpo_config(tiny_
 
 
 def test_exactly_one_of_arctic_config_and_arctic_client_is_required(tiny_model, tmp_path):
-    dataset = Dataset.from_dict({"prompt": ["a b c"]})
     with pytest.raises(TypeError, match="exactly one of arctic_config= .* or arctic_client="):
-        ArcticGRPOTrainer(model=tiny_model, reward_funcs=constant_reward, args=grpo_args(tmp_path), train_dataset=dataset)
+        ArcticGRPOTrainer(model=tiny_model, reward_funcs=constant_reward, args=grpo_args(tmp_path))
 
 
 def test_grpo_config_sets_the_engine_optimizer_and_schedule(tmp_path):

@@ -6,7 +6,8 @@ so the comparison is about training, not sampling luck. The config exercises
 what the mapping must get right: gradient accumulation over two micro-batches
 (dapo's step-wide token normalization), a KL penalty against the reference
 (served by the arctic log-prob job), clip-higher and a sampling temperature.
-The arctic side runs the real server, Ray actors and DeepSpeed engines on CPU.
+The arctic side runs the real server, Ray actors and DeepSpeed engines on CPU,
+with ZoRRo Train on: each group's shared prompt is computed once.
 """
 
 from __future__ import annotations
@@ -118,7 +119,10 @@ def runs(tiny_model, tmp_path_factory):
 
     config = ArcticRLClientConfig(
         model_name=tiny_model, host="127.0.0.1", port=free_port(), device="cpu", training_gpus=1, log_prob_gpus=1,
-        log_prob_engine="deepspeed", training_config=training_config_from_grpo(grpo_args(root), STEPS),
+        log_prob_engine="deepspeed",
+        training_config={
+            **training_config_from_grpo(grpo_args(root), STEPS), "zorro_train": {"enable": True, "min_shared_tokens": 2}
+        },
         ray_auto_attach=False, server_logs=False,
     )  # fmt: skip
     client = create_arctic_rl_client(config)

@@ -1,0 +1,1 @@
+"""GSM8K with TRL: the stock GRPOTrainer script, and the same script on arctic-rl with ArcticGRPOTrainer."""
