@@ -9,7 +9,9 @@ import secrets
 import socket
 import subprocess
 import sys
+import tempfile
 import uuid
+from pathlib import Path
 
 from arctic_rl_core.client.base import ArcticRLClient
 from arctic_rl_core.client.http import ArcticRLHTTPClient, HTTPTransport
@@ -60,6 +62,9 @@ def _http_client(config: ArcticRLClientConfig, starts_server: bool) -> ArcticRLH
     if server is not None:
         try:
             transport.wait_until_healthy(config.startup_timeout, config.health_check_interval, server.alive)
+        except ArcticRLError as exc:
+            server.kill()
+            raise ArcticRLError(f"{exc}\n{server.log_tail()}") from None
         except BaseException:
             server.kill()
             raise
@@ -110,12 +115,25 @@ class LocalHTTPServer:
         if not config.ray_auto_attach:
             command.append("--no-ray-auto-attach")
         env = {**os.environ, TOKEN_ENV: config.auth_token}
-        output = None if config.server_logs else subprocess.DEVNULL
+        # Without server_logs the output still goes somewhere: a file whose tail explains a failed start.
+        self.log_path = None
+        output = None
+        if not config.server_logs:
+            handle, self.log_path = tempfile.mkstemp(prefix="arctic-rl-server-", suffix=".log")
+            output = os.fdopen(handle, "wb")
         logger.info("starting arctic-rl server: %s", " ".join(command))
         self.process = subprocess.Popen(command, env=env, stdout=output, stderr=output, start_new_session=True)
+        if output is not None:
+            output.close()
 
     def alive(self) -> bool:
         return self.process.poll() is None
+
+    def log_tail(self, lines: int = 40) -> str:
+        if self.log_path is None:
+            return "(server output went to this terminal)"
+        text = Path(self.log_path).read_text(errors="replace").splitlines()
+        return f"last lines of {self.log_path}:\n" + "\n".join(text[-lines:])
 
     async def stop(self, client: ArcticRLClient) -> None:
         if self.alive():

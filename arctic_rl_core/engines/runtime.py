@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
 import torch
 
-# DeepSpeed JIT-builds its C++ ops (the CPU shm all-reduce among them) on first use: keep one known cache.
-DEFAULT_EXTENSIONS_DIR = Path.home() / ".cache" / "arctic-rl" / "torch_extensions"
+# DeepSpeed JIT-builds its C++ ops (the CPU shm all-reduce among them) on first use: keep one known cache,
+# per Python version (an op built for 3.12 does not load in 3.11).
+DEFAULT_EXTENSIONS_DIR = Path.home() / ".cache" / "arctic-rl" / f"torch_extensions_py{sys.version_info[0]}{sys.version_info[1]}"
 
 
 def resolve_device(requested: str) -> str:
