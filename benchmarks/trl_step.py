@@ -14,7 +14,7 @@ forward per generation batch for the sampler/trainer correction, which
 vanilla TRL (without vLLM) does not do.
 
     python benchmarks/trl_step.py                      # CPU: tiny Qwen2, fp32
-    python benchmarks/trl_step.py --device cuda --layers 8 --hidden 1024 --completion-length 256
+    python benchmarks/trl_step.py --device cuda --colocate --layers 12 --hidden 1024 --completion-length 256
 """
 
 from __future__ import annotations
@@ -119,6 +119,7 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--hidden", type=int, default=128, help="hidden size (heads of 64)")
     parser.add_argument("--sampler", choices=("native", "vllm"), default="native")
+    parser.add_argument("--colocate", action="store_true", help="arctic training and sampling share one GPU")
     options = parser.parse_args()
     if options.steps < 3:
         parser.error("--steps must be at least 3: one warm-up and two timed steps")
@@ -139,7 +140,7 @@ def main() -> None:
 
     config = ArcticRLClientConfig(
         model_name=model, comm_protocol="ray", device=options.device, training_gpus=1, sampling_gpus=1,
-        sampling_engine=options.sampler, ray_auto_attach=False, server_logs=False,
+        sampling_engine=options.sampler, colocate=options.colocate, ray_auto_attach=False, server_logs=False,
         training_config=training_config_from_grpo(grpo_args(options, root), options.steps),
     )  # fmt: skip
     started = time.perf_counter()

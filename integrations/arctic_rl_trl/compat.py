@@ -60,6 +60,8 @@ def grpo_config_problems(args: GRPOConfig) -> list[Problem]:
         ("min_p", args.min_p is not None, "the arctic sampler has no min-p filter; set min_p=None"),
         ("repetition_penalty", args.repetition_penalty != 1.0,
          "the arctic sampler applies no repetition penalty; set repetition_penalty=1.0"),
+        ("max_completion_length", args.max_completion_length is None,
+         "the arctic sampler needs a length limit; set max_completion_length to an integer"),
         ("generation_kwargs", bool(args.generation_kwargs),
          "only temperature, top_p, top_k and max_completion_length reach the arctic sampler; set "
          "generation_kwargs=None"),
