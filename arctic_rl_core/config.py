@@ -106,6 +106,9 @@ class ArcticRLClientConfig(BaseModel):
         None, description="Bearer token for the HTTP server. The local backend generates one when unset."
     )
     ray_namespace: str = Field("arctic-rl", description="Ray namespace of the server actor (Ray protocol).")
+    weight_sync_config: Optional[dict] = Field(
+        None, description="WeightSyncConfig fields; bucket_size also sizes the colocated CUDA-IPC buckets."
+    )
     ray_server_name: Optional[str] = Field(
         None, description="Name of the Ray server actor to reach; the local backend names the one it starts."
     )

@@ -181,6 +181,8 @@ class LocalRayServer:
 
 def _check_port_free(host: str, port: int) -> None:
     with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as probe:
+        # As uvicorn binds: connections of a previous server in TIME_WAIT do not block the port.
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             probe.bind((host, port))
         except OSError as exc:

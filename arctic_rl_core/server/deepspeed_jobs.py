@@ -205,11 +205,13 @@ class TrainingJob(DeepSpeedJob):
         """Training weights into every sampling replica; the replicas reset their prefix caches."""
         import time
 
+        started = time.perf_counter()
         if cuda_ipc:
             if self.spec.device != "cuda":
                 raise BadRequest("sync_weights(cuda_ipc=True) needs CUDA; on CPU use cuda_ipc=False (file path)")
-            raise BadRequest("sync_weights(cuda_ipc=True) is not available in this build; use cuda_ipc=False")
-        started = time.perf_counter()
+            loaded, buckets = await self._sync_ipc(sampling, low_memory)
+            return {"status": "ok", "method": "cuda_ipc_low_memory" if low_memory else "cuda_ipc",
+                    "buckets": buckets, "replicas": loaded, "seconds": time.perf_counter() - started}  # fmt: skip
         self._sync_version += 1
         directory = sync_root() / f"job{self.job_id}-{uuid.uuid4().hex[:8]}-v{self._sync_version}"
         try:
@@ -225,6 +227,20 @@ class TrainingJob(DeepSpeedJob):
             "replicas": loaded,
             "seconds": time.perf_counter() - started,
         }
+
+    async def _sync_ipc(self, sampling, low_memory: bool) -> tuple[list, int]:
+        """Flattened buckets over CUDA IPC; low_memory shares, loads and frees one bucket at a time."""
+        counts = await self.call_all("ipc_open", self.spec.weight_sync_bucket_size)
+        try:
+            if not low_memory:
+                return await sampling.load_ipc(await self.call_all("ipc_share", None)), counts[0]
+            loaded = []
+            for index in range(counts[0]):
+                loaded = await sampling.load_ipc(await self.call_all("ipc_share", index))
+                await self.call_all("ipc_release", index)
+            return loaded, counts[0]
+        finally:
+            await self.call_all("ipc_release", None)
 
     async def weight_norm(self, sampling=None, log_prob=None) -> dict:
         result = {"training_norm": (await self.call_all("weight_norm"))[0]}

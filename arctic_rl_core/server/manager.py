@@ -16,7 +16,7 @@ import logging
 import os
 from typing import Any, Callable
 
-from arctic_rl_core.config import ArcticRLClientConfig, TrainingConfig
+from arctic_rl_core.config import ArcticRLClientConfig, TrainingConfig, WeightSyncConfig
 from arctic_rl_core.engines.sampling.protocol import SamplingEngineOptions
 from arctic_rl_core.engines.training.worker import WorkerSpec
 from arctic_rl_core.errors import BadRequest, NotFound
@@ -202,6 +202,7 @@ class JobManager:
                 seed=config.seed,
                 full_determinism=config.full_determinism,
                 allowed_loss_prefixes=self.allowed_loss_prefixes,
+                weight_sync_bucket_size=_weight_sync(config).bucket_size,
             )
             default = Processing(loss_fn=training.default_loss, config=training.default_loss_config)
             return TrainingJob(job_id, slots, threads, spec, default_processing=default)
@@ -229,12 +230,22 @@ class JobManager:
         return LogProbJob(job_id, slots, threads, spec)
 
 
+def _weight_sync(config: ArcticRLClientConfig) -> WeightSyncConfig:
+    try:
+        return WeightSyncConfig.model_validate(config.weight_sync_config or {})
+    except ValueError as exc:
+        raise BadRequest(f"weight_sync_config: {exc}") from None
+
+
 def sampling_options(config: ArcticRLClientConfig, device: str) -> SamplingEngineOptions:
     """SamplingEngineOptions from vllm_config and arctic_inference_config; unknown keys go to ``extra``."""
     vllm = dict(config.vllm_config or {})
     known = {_SAMPLING_KEYS[k]: vllm.pop(k) for k in list(vllm) if k in _SAMPLING_KEYS}
     inference = dict(config.arctic_inference_config or {})
-    use_fca = inference.get("use_fca", (inference.get("zorro_inference") or {}).get("enable", True))
+    zorro = inference.pop("zorro_inference", None) or {}
+    use_fca = inference.pop("use_fca", zorro.get("enable", True))
+    # Other ArcticInference settings (spec_model, ...) go to the backend, which accepts or names them.
+    vllm.update(inference)
     if "dtype" not in known:
         training_dtype = (config.training_config or {}).get("dtype", "bfloat16")
         known["dtype"] = training_dtype if device == "cuda" else "float32"

@@ -17,7 +17,8 @@ from arctic_rl_core.engines.sampling.worker import SamplingWorker
 from arctic_rl_core.ops import JobKind
 from arctic_rl_core.server.jobs import Job
 
-RemoteSamplingWorker = ray.remote(max_concurrency=4)(SamplingWorker)
+# Many callers wait on one replica at once (frameworks send one request per prompt): threads are cheap.
+RemoteSamplingWorker = ray.remote(max_concurrency=256)(SamplingWorker)
 
 
 class SharedExclusiveLock:
@@ -109,6 +110,12 @@ class SamplingJob(Job):
     async def load_weights_from_file(self, directory: str) -> list[dict]:
         async with self.lock.exclusive():
             return await self.call_all("load_weights_from_file", directory)
+
+    async def load_ipc(self, handles_by_rank: list[list]) -> list[dict]:
+        """Replica r maps the buckets of training rank r (mod ranks): colocated, they share a GPU."""
+        async with self.lock.exclusive():
+            refs = [w.load_ipc.remote(handles_by_rank[r % len(handles_by_rank)]) for r, w in enumerate(self.workers)]
+            return await self.gather(refs)
 
     async def weight_norms(self) -> list[float]:
         async with self.lock.exclusive():

@@ -91,11 +91,12 @@ def test_num_replicas_is_sampling_gpus_over_tensor_parallel_size():
         num_replicas(6, 4)
 
 
-def test_auto_selects_vllm_where_its_build_matches_the_device():
+def test_vllm_is_selected_by_name_where_its_build_matches_and_auto_keeps_cpu_on_native():
     from arctic_rl_core.engines.sampling.vllm import VLLMBackend
 
-    assert select_sampling_backend("auto", "cpu") is VLLMBackend
+    native = pytest.importorskip("arctic_rl_core.engines.sampling.native")
     assert select_sampling_backend("vllm", "cpu") is VLLMBackend
+    assert select_sampling_backend("auto", "cpu") is native.NativeEngine
 
 
 def test_native_is_selected_by_name_and_vllm_for_a_device_it_lacks_is_refused():

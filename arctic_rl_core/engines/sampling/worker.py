@@ -3,7 +3,9 @@
 The worker tokenizes prompts, decodes results into the seeds' result dicts,
 loads synced weights, and resets the prefix cache after every load (a stale
 prefix cache after an update is a known source of train/sample mismatch).
-Calls are serialized per replica; the job spreads load across replicas.
+A step-wise backend (the native engine) is driven by an ``EngineLoop``, so
+concurrent generate calls join one running batch; other backends serve one
+call at a time. The job spreads load across replicas.
 """
 
 from __future__ import annotations
@@ -15,28 +17,8 @@ from typing import Iterable
 import torch
 
 from arctic_rl_core.engines.runtime import configure_process
+from arctic_rl_core.engines.sampling.engine_loop import EngineLoop
 from arctic_rl_core.engines.sampling.protocol import SamplingEngineOptions, SamplingParams
-
-
-def backend_class(name: str, device: str):
-    """The backend class for ``name``: "native", "vllm", or "auto" (vLLM where it imports on CUDA, else native)."""
-    if name == "auto":
-        name = "vllm" if device == "cuda" and _vllm_importable() else "native"
-    if name == "vllm":
-        from arctic_rl_core.engines.sampling.vllm import VLLMBackend
-
-        return VLLMBackend
-    if name == "native":
-        from arctic_rl_core.engines.sampling.native import NativeEngine
-
-        return NativeEngine
-    raise ValueError(f'sampling_engine must be "auto", "native" or "vllm", got {name!r}')
-
-
-def _vllm_importable() -> bool:
-    import importlib.util
-
-    return importlib.util.find_spec("vllm") is not None
 
 
 class SamplingWorker:
@@ -46,10 +28,20 @@ class SamplingWorker:
         self.replica = replica
         configure_process(options.device, threads)
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
-        self.backend = backend_class(engine, options.device)(model_path, options)
+        from arctic_rl_core.engines.sampling.vllm.selection import select_sampling_backend
+
+        self.backend = select_sampling_backend(engine, options.device)(model_path, options)
         self.engine_name = type(self.backend).__name__
         self._lock = threading.Lock()
+        self._loop = EngineLoop(self.backend) if hasattr(self.backend, "add_request") else None
         self.weight_version = 0
+
+    def _on_engine(self, fn):
+        """Run ``fn(backend)`` where the backend may be touched: its loop thread, or under the lock."""
+        if self._loop is not None:
+            return self._loop.call(fn)
+        with self._lock:
+            return fn(self.backend)
 
     def info(self) -> dict:
         return {"replica": self.replica, "pid": os.getpid(), "engine": self.engine_name}
@@ -64,8 +56,12 @@ class SamplingWorker:
     def generate(self, prompts: list[str] | None, prompt_token_ids: list[list[int]] | None, params: SamplingParams):
         if prompt_token_ids is None:
             prompt_token_ids = self.tokenize(prompts)
-        with self._lock:
-            completions = self.backend.generate(prompt_token_ids, params)
+        if self._loop is not None:
+            futures = [self._loop.submit(ids, params) for ids in prompt_token_ids]
+            completions = [future.result() for future in futures]
+        else:
+            with self._lock:
+                completions = self.backend.generate(prompt_token_ids, params)
         texts = prompts if prompts is not None else [self.tokenizer.decode(ids) for ids in prompt_token_ids]
         return [
             {"prompt": text, "prompt_token_ids": ids, "outputs": [c.to_dict() for c in outs]}
@@ -73,11 +69,25 @@ class SamplingWorker:
         ]
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> dict:
-        with self._lock:
-            self.backend.load_weights(weights)
-            self.backend.reset_prefix_cache()
-            self.weight_version += 1
+        def load(backend) -> None:
+            backend.load_weights(weights)
+            backend.reset_prefix_cache()
+
+        self._on_engine(load)
+        self.weight_version += 1
         return {"replica": self.replica, "weight_version": self.weight_version}
+
+    def load_ipc(self, buckets: list) -> dict:
+        """Load weights from CUDA-IPC buckets of the training rank on this GPU (the handles travel by Ray)."""
+        from arctic_rl_core.weight_sync.cuda_ipc import load_shared_buckets
+
+        def load(backend) -> None:
+            load_shared_buckets(buckets, backend.load_weights)
+            backend.reset_prefix_cache()
+
+        self._on_engine(load)
+        self.weight_version += 1
+        return {"replica": self.replica, "weight_version": self.weight_version, "buckets": len(buckets)}
 
     def load_weights_from_file(self, directory: str) -> dict:
         from arctic_rl_core.weight_sync.file_sync import read_weights
@@ -85,21 +95,19 @@ class SamplingWorker:
         return self.load_weights(read_weights(directory))
 
     def weight_norm(self) -> float:
-        with self._lock:
-            return self.backend.weight_norm()
+        return self._on_engine(lambda backend: backend.weight_norm())
 
     def reset_prefix_cache(self) -> dict:
-        with self._lock:
-            self.backend.reset_prefix_cache()
+        self._on_engine(lambda backend: backend.reset_prefix_cache())
         return {"replica": self.replica, "status": "ok"}
 
     def sleep(self, level: int) -> dict:
-        with self._lock:
-            return {"replica": self.replica, **self.backend.sleep(level)}
+        return {"replica": self.replica, **self._on_engine(lambda backend: backend.sleep(level))}
 
     def wake(self, tags: list[str] | None) -> dict:
-        with self._lock:
-            return {"replica": self.replica, **self.backend.wake(tags)}
+        return {"replica": self.replica, **self._on_engine(lambda backend: backend.wake(tags))}
 
     def shutdown(self) -> None:
+        if self._loop is not None:
+            self._loop.stop()
         self.backend.shutdown()

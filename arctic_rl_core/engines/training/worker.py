@@ -40,6 +40,7 @@ class WorkerSpec:
     full_determinism: bool = False
     allowed_loss_prefixes: tuple[str, ...] = ()
     threads: int | None = None
+    weight_sync_bucket_size: int = 256 * 1024 * 1024
 
 
 @dataclass
@@ -326,6 +327,30 @@ class DeepSpeedWorker:
         named = [(name, tensor.detach().to("cpu", copy=True)) for name, tensor in self.named_full_parameters()]
         write_weights(named, directory)
         return {"bytes": sum(t.nbytes for _, t in named), "tensors": len(named)}
+
+    # -- CUDA IPC: the colocated sampler maps our buckets; we keep them alive until it is done.
+
+    def ipc_open(self, bucket_size: int) -> int:
+        """Plan flattened buckets over the (unchanged, on-GPU) parameters; return how many."""
+        from arctic_rl_core.weight_sync.cuda_ipc import CudaIpcSender
+
+        if self._zero_stage == 3:
+            raise ValueError(
+                "sync_weights(cuda_ipc=True) needs whole parameters on each GPU; under ZeRO-3 use cuda_ipc=False"
+            )
+        self._ipc = CudaIpcSender(((name, p.data) for name, p in self.model.named_parameters()), bucket_size)
+        return len(self._ipc)
+
+    def ipc_share(self, index: int | None) -> list:
+        """Handles to bucket ``index`` (packed now), or to all of them."""
+        return self._ipc.share_all() if index is None else [self._ipc.share(index)]
+
+    def ipc_release(self, index: int | None) -> None:
+        if getattr(self, "_ipc", None) is None:
+            return
+        self._ipc.release(index)
+        if index is None:
+            self._ipc = None
 
     # ------------------------------------------------------------ memory
 

@@ -27,12 +27,18 @@ def vllm_supports(device: str) -> bool:
 
 
 def select_sampling_backend(name: str, device: str) -> type:
-    """The backend class for ``sampling_engine=name`` on ``device``: vLLM where it runs, else the native engine."""
+    """The backend class for ``sampling_engine=name`` on ``device``.
+
+    "auto" picks vLLM on CUDA where a CUDA build imports, else the native
+    engine. On CPU, vLLM's CPU build is a test vehicle (``sampling_engine=
+    "vllm"`` selects it); the native engine starts in seconds and needs no
+    process-wide settings, so it is the CPU default.
+    """
     if name not in ENGINES:
         raise ValueError(f"sampling_engine must be one of {ENGINES}, got {name!r}")
     if device not in DEVICES:
         raise ValueError(f"device must be one of {DEVICES} once resolved, got {device!r}")
-    if name == "native" or (name == "auto" and not vllm_supports(device)):
+    if name == "native" or (name == "auto" and (device != "cuda" or not vllm_supports(device))):
         from arctic_rl_core.engines.sampling.native import NativeEngine
 
         return NativeEngine
