@@ -1,0 +1,177 @@
+"""SkyRL's algorithm settings as an arctic-rl loss, and the settings arctic-rl cannot honour.
+
+Advantages (every estimator but GAE), KL-in-reward, dynamic sampling and
+zero-variance filtering stay in SkyRL's trainer: they only change the tensors
+it sends. What SkyRL's policy worker would compute, arctic's ``grpo`` loss
+computes instead:
+
+=======================================  =====================================================
+SkyRL                                    arctic-rl ``processing``
+=======================================  =====================================================
+policy_loss_type regular / dual_clip     ``grpo``; dual_clip sets ``clip_ratio_c``
+eps_clip_low, eps_clip_high              ``eps_clip``, ``eps_clip_high``
+loss_reduction token_mean                ``loss_agg_mode="token-mean"``
+loss_reduction sequence_mean             ``"seq-mean-token-mean"``
+loss_reduction seq_mean_token_sum_norm   ``"seq-mean-token-sum-norm"``, horizon ``max_seq_len``
+use_kl_loss, kl_loss_coef                ``kl_coef`` (0 without use_kl_loss) + reference log-probs
+kl_estimator_type k1/k2/k3/abs           ``kl_estimator``
+use_entropy_loss, entropy_loss_coef      ``entropy_coef``
+off_policy_correction token TIS          decoupled PPO: ``prox_logp_shifted`` (recomputed
+                                         log-probs), ``old_log_probs_shifted`` (rollout),
+                                         ``behav_imp_weight_cap=token_tis_ratio_clip_high``
+temperature                              post-processor ``temperature``
+=======================================  =====================================================
+
+arctic aggregates the KL and entropy terms in the policy term's mode, where
+SkyRL always takes a sequence mean of token means for them.
+
+Anything else that changes what the policy worker computes is refused at
+startup by :func:`check_supported`, naming the setting.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from skyrl.train.config import SkyRLTrainConfig
+
+SUPPORTED_POLICY_LOSSES = ("regular", "dual_clip")
+
+_AGG_MODES = {
+    "token_mean": "token-mean",
+    "sequence_mean": "seq-mean-token-mean",
+    "seq_mean_token_sum_norm": "seq-mean-token-sum-norm",
+}
+
+
+class UnsupportedSkyRLSetting(ValueError):
+    """A SkyRL setting the arctic-rl backend cannot run; the message names it and what to use instead."""
+
+
+@dataclass(frozen=True)
+class LossPlan:
+    """What every fwd_bwd of a run sends: the arctic loss, and which context tensors it needs."""
+
+    loss_fn: str
+    config: dict[str, Any]
+    post: list[dict[str, Any]] = field(default_factory=list)
+    reference: bool = False  # send ref_log_probs_shifted (SkyRL's base_action_log_probs)
+    rollout_correction: bool = False  # decoupled PPO against the sampler's log-probs (token TIS)
+    horizon: Optional[int] = None  # pad calls to this many columns: the Dr. GRPO normalizer
+
+    def processing(self) -> dict[str, Any]:
+        return {"loss_fn": self.loss_fn, "config": dict(self.config), "post": list(self.post)}
+
+    def forward_processing(self) -> Optional[dict[str, Any]]:
+        """fwd_no_grad applies only the post-processors (temperature), so old and new log-probs match."""
+        return {"loss_fn": self.loss_fn, "config": {}, "post": list(self.post)} if self.post else None
+
+
+def _unsupported(setting: str, value: Any, instead: str) -> UnsupportedSkyRLSetting:
+    return UnsupportedSkyRLSetting(f"{setting}={value!r} is not supported by the arctic-rl backend; {instead}")
+
+
+def loss_plan(cfg: SkyRLTrainConfig) -> LossPlan:
+    """The arctic loss for ``cfg.trainer.algorithm``; raises :class:`UnsupportedSkyRLSetting` naming the setting."""
+    algorithm = cfg.trainer.algorithm
+    prefix = "trainer.algorithm"
+    if algorithm.policy_loss_type not in SUPPORTED_POLICY_LOSSES:
+        raise _unsupported(
+            f"{prefix}.policy_loss_type", algorithm.policy_loss_type, f"use one of {', '.join(SUPPORTED_POLICY_LOSSES)}"
+        )
+    agg_mode = _AGG_MODES.get(algorithm.loss_reduction)
+    if agg_mode is None:
+        raise _unsupported(f"{prefix}.loss_reduction", algorithm.loss_reduction, f"use one of {', '.join(_AGG_MODES)}")
+    horizon = None
+    if algorithm.loss_reduction == "seq_mean_token_sum_norm":
+        if algorithm.max_seq_len is None:
+            raise UnsupportedSkyRLSetting(
+                f"{prefix}.loss_reduction=seq_mean_token_sum_norm needs {prefix}.max_seq_len (its normalizer)"
+            )
+        horizon = int(algorithm.max_seq_len)
+    config: dict[str, Any] = {
+        "eps_clip": algorithm.eps_clip_low,
+        "eps_clip_high": algorithm.eps_clip_high,
+        "loss_agg_mode": agg_mode,
+        "kl_coef": algorithm.kl_loss_coef if algorithm.use_kl_loss else 0.0,
+        "kl_estimator": algorithm.kl_estimator_type,
+        "entropy_coef": algorithm.entropy_loss_coef if algorithm.use_entropy_loss else 0.0,
+    }
+    if algorithm.policy_loss_type == "dual_clip":
+        config["clip_ratio_c"] = algorithm.clip_ratio_c
+    rollout_correction = _token_tis(cfg, config)
+    temperature = algorithm.temperature
+    post = [] if temperature in (None, 1.0) else [{"name": "temperature", "config": {"temperature": temperature}}]
+    return LossPlan(
+        loss_fn="grpo",
+        config=config,
+        post=post,
+        reference=bool(algorithm.use_kl_loss),
+        rollout_correction=rollout_correction,
+        horizon=horizon,
+    )
+
+
+def _token_tis(cfg: SkyRLTrainConfig, config: dict[str, Any]) -> bool:
+    """Token-level TIS is arctic's decoupled PPO with a truncated behaviour weight; other corrections are refused."""
+    algorithm = cfg.trainer.algorithm
+    correction = algorithm.off_policy_correction
+    prefix = "trainer.algorithm.off_policy_correction"
+    if algorithm.use_tis:
+        raise _unsupported("trainer.algorithm.use_tis", True, f'use {prefix}.tis_ratio_type="token"')
+    for name in (
+        "sequence_mask_metric",
+        "outlier_token_is_threshold_low",
+        "outlier_token_is_threshold_high",
+        "token_mask_is_threshold_low",
+        "token_mask_is_threshold_high",
+    ):
+        if getattr(correction, name) is not None:
+            raise _unsupported(f"{prefix}.{name}", getattr(correction, name), 'only tis_ratio_type="token" is')
+    if correction.tis_ratio_type is None:
+        return False
+    if correction.tis_ratio_type != "token":
+        raise _unsupported(f"{prefix}.tis_ratio_type", correction.tis_ratio_type, 'use "token" or null')
+    if cfg.generator.sampling_params.logprobs is None:
+        raise UnsupportedSkyRLSetting(
+            f"{prefix}.tis_ratio_type=token needs the sampler's log-probs: set generator.sampling_params.logprobs=1"
+        )
+    config["behav_imp_weight_cap"] = correction.token_tis_ratio_clip_high
+    config["behav_imp_weight_mode"] = "truncate"
+    return True
+
+
+def check_supported(cfg: SkyRLTrainConfig) -> LossPlan:
+    """Refuse, at startup, every setting whose work the arctic backend would silently skip; return the loss plan."""
+    trainer = cfg.trainer
+    generator = cfg.generator
+    engine = generator.inference_engine
+    refusals = [
+        (trainer.critic.model.path is not None, "trainer.critic.model.path", trainer.critic.model.path,
+         "arctic-rl trains no value model: use a critic-free estimator (grpo, rloo, reinforce++, maxrl)"),
+        (trainer.algorithm.advantage_estimator == "gae", "trainer.algorithm.advantage_estimator", "gae",
+         "GAE needs a value model; use grpo, rloo, reinforce++ or maxrl"),
+        (trainer.policy.model.lora.rank > 0, "trainer.policy.model.lora.rank", trainer.policy.model.lora.rank,
+         "arctic-rl trains all weights; set it to 0"),
+        (trainer.hf_save_interval > 0, "trainer.hf_save_interval", trainer.hf_save_interval,
+         "arctic-rl saves DeepSpeed checkpoints (trainer.ckpt_interval); set it to -1"),
+        (trainer.update_ref_every_epoch, "trainer.update_ref_every_epoch", True,
+         "the arctic reference engine keeps its initial weights"),
+        (trainer.policy.torch_profiler_config.enable, "trainer.policy.torch_profiler_config.enable", True,
+         "profile the arctic workers instead"),
+        (trainer.fully_async.simulate_training, "trainer.fully_async.simulate_training", True,
+         "run real training steps"),
+        (trainer.algorithm.enable_sample_support_replay, "trainer.algorithm.enable_sample_support_replay", True,
+         "arctic's sampler records no sample support"),
+        (generator.vision_language_generator, "generator.vision_language_generator", True,
+         "arctic-rl runs text-only models"),
+        (engine.enable_return_routed_experts, "generator.inference_engine.enable_return_routed_experts", True,
+         "arctic's sampler records no expert routes"),
+        (generator.sampling_params.min_p != 0.0, "generator.sampling_params.min_p", generator.sampling_params.min_p,
+         "arctic's sampler has temperature, top_p and top_k; set it to 0"),
+    ]  # fmt: skip
+    for refused, setting, value, instead in refusals:
+        if refused:
+            raise _unsupported(setting, value, instead)
+    return loss_plan(cfg)

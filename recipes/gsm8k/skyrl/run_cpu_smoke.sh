@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# SkyRL on arctic-rl, on a CPU: a tiny Qwen2 made on the spot, 16 GSM8K problems from
+# ../shared/data/gsm8k, GRPO for $STEPS steps (default 3). A stock SkyRL command plus the toggle.
+#
+#   bash integrations/arctic_rl_skyrl/install_env.sh      # once: the Python 3.12 environment
+#   bash recipes/gsm8k/skyrl/run_cpu_smoke.sh [more SkyRL overrides ...]
+#
+# OUT_DIR (default /tmp/arctic-rl-skyrl-smoke) receives the model, data, TensorBoard logs
+# (tensorboard/) and exports/arctic_rl_status.json (what the arctic server served).
+set -euo pipefail
+cd "$(dirname "$0")/../../.."
+python="${PYTHON:-.venv-skyrl/bin/python}"
+out="${OUT_DIR:-/tmp/arctic-rl-skyrl-smoke}"
+steps="${STEPS:-3}"
+
+"$python" -m arctic_rl_core.models.tiny "$out/model" --family qwen2
+"$python" -m recipes.gsm8k.skyrl.data --out "$out/data" --source local --limit 16
+export TENSORBOARD_DIR="$out/tensorboard"
+
+"$python" -m skyrl.train.entrypoints.main_base \
+    data.train_data="['$out/data/train.parquet']" \
+    data.val_data="['$out/data/test.parquet']" \
+    data.dataloader.num_workers=0 \
+    trainer.policy.model.path="$out/model" \
+    trainer.policy.optimizer_config.lr=1e-5 \
+    trainer.train_batch_size=4 \
+    trainer.policy_mini_batch_size=4 \
+    trainer.micro_train_batch_size_per_gpu=16 \
+    trainer.micro_forward_batch_size_per_gpu=16 \
+    generator.n_samples_per_prompt=4 \
+    generator.batched=true \
+    generator.sampling_params.max_generate_length=16 \
+    trainer.max_prompt_length=512 \
+    trainer.max_training_steps="$steps" \
+    trainer.eval_interval=-1 \
+    trainer.eval_before_train=false \
+    trainer.ckpt_interval=-1 \
+    trainer.bf16=false \
+    trainer.gradient_checkpointing=false \
+    trainer.logger=tensorboard \
+    trainer.enable_ray_gpu_monitor=false \
+    trainer.ckpt_path="$out/ckpts" \
+    trainer.export_path="$out/exports" \
+    trainer.log_path="$out/logs" \
+    trainer.override_entrypoint=arctic_rl_skyrl.entrypoint \
+    trainer.arctic_rl="{device: cpu, ray_auto_attach: false}" \
+    "$@"

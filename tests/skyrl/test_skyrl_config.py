@@ -1,0 +1,119 @@
+"""The arctic block of a SkyRL config, and the ArcticRLClientConfig a run derives from it."""
+
+from __future__ import annotations
+
+import pytest
+
+from arctic_rl_skyrl.config import ArcticRLConfig, ArcticSkyRLTrainConfig, client_config, placement
+
+BASE = [
+    "trainer.policy.model.path=/models/tiny",
+    "trainer.train_batch_size=8",
+    "trainer.policy_mini_batch_size=4",
+    "generator.n_samples_per_prompt=4",
+]
+
+
+def parse(*overrides: str):
+    return ArcticSkyRLTrainConfig.from_cli_overrides([*BASE, *overrides])
+
+
+def test_without_arctic_overrides_the_block_takes_its_defaults():
+    cfg = parse()
+    assert cfg.trainer.arctic_rl == ArcticRLConfig()
+
+
+def test_one_flag_sets_several_arctic_settings():
+    cfg = parse("trainer.arctic_rl={colocate: false, zorro_train: true, sampler: native, training_gpus: 2}")
+    arctic = cfg.trainer.arctic_rl
+    assert (arctic.colocate, arctic.zorro_train, arctic.sampler, arctic.training_gpus) == (False, True, "native", 2)
+
+
+def test_dotted_keys_set_single_arctic_settings():
+    assert parse("trainer.arctic_rl.zero_stage=2").trainer.arctic_rl.zero_stage == 2
+
+
+def test_unknown_arctic_key_is_rejected_by_name():
+    with pytest.raises(ValueError, match="zorro_trian"):
+        parse("trainer.arctic_rl.zorro_trian=true")
+
+
+def test_invalid_arctic_value_names_the_field_and_the_choices():
+    with pytest.raises(ValueError, match=r"trainer\.arctic_rl\.sampler must be one of auto, native, vllm; got 'sglang'"):
+        parse("trainer.arctic_rl.sampler=sglang")
+
+
+def test_placement_follows_skyrl_gpu_settings_by_default():
+    cfg = parse(
+        "trainer.placement.policy_num_gpus_per_node=4",
+        "trainer.placement.policy_num_nodes=2",
+        "generator.inference_engine.num_engines=3",
+        "generator.inference_engine.tensor_parallel_size=2",
+        "trainer.placement.colocate_all=false",
+    )
+    where = placement(cfg)
+    # SkyRL's defaults keep the KL loss on, so the reference gets as many GPUs as training.
+    assert (where.training_gpus, where.sampling_gpus, where.log_prob_gpus, where.colocate) == (8, 6, 8, False)
+    assert where.cluster_gpus == 22
+
+
+def test_no_reference_engine_without_kl():
+    cfg = parse("trainer.algorithm.use_kl_loss=false")
+    assert placement(cfg).log_prob_gpus == 0
+
+
+def test_colocated_placement_needs_the_largest_job_only():
+    where = placement(parse("trainer.arctic_rl={training_gpus: 4, sampling_gpus: 2, colocate: true}"))
+    assert where.colocate and where.cluster_gpus == 4
+
+
+def test_kl_without_a_reference_gpu_is_refused():
+    with pytest.raises(ValueError, match="log_prob_gpus=0"):
+        placement(parse("trainer.arctic_rl.log_prob_gpus=0"))
+
+
+def test_client_config_carries_skyrl_optimizer_precision_and_schedule():
+    cfg = parse(
+        "trainer.policy.optimizer_config.lr=3e-6",
+        "trainer.policy.optimizer_config.adam_betas=[0.9,0.95]",
+        "trainer.policy.optimizer_config.weight_decay=0.1",
+        "trainer.policy.optimizer_config.max_grad_norm=0.5",
+        "trainer.policy.optimizer_config.scheduler=cosine",
+        "trainer.policy.optimizer_config.num_warmup_steps=5",
+        "trainer.bf16=false",
+        "trainer.arctic_rl={zero_stage: 2, offload_optimizer: true, zorro_train: true}",
+    )
+    config = client_config(cfg, total_optimizer_steps=50)
+    optimizer = config.training_config["optimizer"]
+    assert optimizer == {
+        "lr": 3e-6,
+        "weight_decay": 0.1,
+        "beta1": 0.9,
+        "beta2": 0.95,
+        "gradient_clipping": 0.5,
+        "lr_scheduler_type": "cosine",
+        "total_train_steps": 50,
+        "warmup_steps_proportion": 0.1,
+    }
+    assert config.training_config["dtype"] == "float32"
+    assert config.training_config["zorro_train"] == {"enable": True}
+    assert config.ds_config == {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}
+    assert config.model_name == "/models/tiny"
+    assert config.comm_protocol == "ray" and config.log_prob_engine == "deepspeed"
+
+
+def test_micro_batches_follow_skyrl_micro_batch_size_per_rank():
+    # 4 prompts x 4 samples = 16 rows per mini-batch, on 2 ranks: 8 rows, 3 per micro-batch -> 3 micro-batches.
+    cfg = parse("trainer.micro_train_batch_size_per_gpu=3", "trainer.arctic_rl.training_gpus=2")
+    assert client_config(cfg, 10).training_config["mb_spec"] == {"n_mbs": 3}
+
+
+def test_token_budget_replaces_micro_batch_size():
+    cfg = parse("trainer.max_tokens_per_microbatch=4096")
+    assert client_config(cfg, 10).training_config["mb_spec"] == {"max_tokens_per_mb": 4096}
+
+
+def test_scheduler_without_arctic_equivalent_is_refused_by_name():
+    cfg = parse("trainer.policy.optimizer_config.scheduler=polynomial")
+    with pytest.raises(ValueError, match="scheduler='polynomial'"):
+        client_config(cfg, 10)
