@@ -37,10 +37,17 @@ find_python312() {
 
 stamp="$(cat "$lock" "$here/install_env.sh" "$repo/pyproject.toml" | sha256sum | cut -c1-16)"
 stamp_file="$venv/.arctic-rl-skyrl-stamp"
-if [[ -f "$stamp_file" && "$(cat "$stamp_file")" == "$stamp" ]] \
-    && "$venv/bin/python" -c 'import skyrl.train.entrypoints.main_base, arctic_rl_core, arctic_rl_skyrl' 2>/dev/null; then
-    step "up to date: $venv (stamp $stamp)"
-    exit 0
+check='import skyrl.train.entrypoints.main_base, arctic_rl_core, arctic_rl_skyrl; print(arctic_rl_core.__file__)'
+if [[ -f "$stamp_file" && "$(cat "$stamp_file")" == "$stamp" ]]; then
+    if installed="$("$venv/bin/python" -c "$check" 2>/dev/null | tail -1)"; then
+        # A venv kept across checkouts (ARCTIC_RL_SKYRL_VENV) must import arctic-rl from this one.
+        if [[ "$installed" != "$repo/"* ]]; then
+            step "pointing the editable arctic-rl install at $repo"
+            "$venv/bin/python" -m pip --disable-pip-version-check install --quiet --no-deps --no-build-isolation -e "$repo"
+        fi
+        step "up to date: $venv (stamp $stamp)"
+        exit 0
+    fi
 fi
 
 python312="$(find_python312)"
@@ -72,6 +79,6 @@ fi
 step "installing the locked environment"
 "${pip[@]}" install --quiet --no-index --find-links "$wheels" --no-deps -r "$lock"
 "${pip[@]}" install --quiet --no-deps --no-build-isolation -e "$repo"
-"$venv/bin/python" -c 'import skyrl.train.entrypoints.main_base, arctic_rl_core, arctic_rl_skyrl' 2>/dev/null
+"$venv/bin/python" -c "$check" >/dev/null 2>&1
 echo "$stamp" > "$stamp_file"
 step "done: $venv ($(du -sh "$venv" | cut -f1)); wheelhouse $wheels ($(du -sh "$wheels" | cut -f1))"

@@ -28,7 +28,6 @@ class ArcticSession:
 
     def __init__(self) -> None:
         self._client: Optional[ArcticRLClient] = None
-        self.config: Optional[ArcticRLClientConfig] = None
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="arctic-rl-client", daemon=True)
         self._thread.start()
@@ -39,17 +38,12 @@ class ArcticSession:
             raise RuntimeError("the arctic-rl jobs are not started yet: the trainer starts them in build_models()")
         return self._client
 
-    @property
-    def started(self) -> bool:
-        return self._client is not None
-
     def start(self, config: ArcticRLClientConfig) -> None:
         """Create the arctic jobs of ``config`` (blocks until each is RUNNING)."""
         if self._client is not None:
             raise RuntimeError("this session's arctic-rl jobs are already started")
         # Job creation is synchronous and long; it never touches the session loop.
         self._client = create_arctic_rl_client(config)
-        self.config = config
         logger.info(
             "arctic-rl jobs ready: training=%s sampling=%s log_prob=%s",
             config.training_gpus, config.sampling_gpus, config.log_prob_gpus,
