@@ -182,10 +182,13 @@ class WeightSyncConfig(BaseModel):
 
 
 class OptimizerConfig(BaseModel):
-    """AdamW and its learning-rate schedule."""
+    """The optimizer (AdamW by default) and its learning-rate schedule."""
 
     model_config = ConfigDict(extra="ignore")
 
+    name: Literal["adamw", "sgd"] = Field(
+        "adamw", description='"sgd" (plain, no momentum) makes an update exactly -lr * gradient: useful to inspect.'
+    )
     lr: float = Field(1e-5, gt=0)
     weight_decay: float = Field(0.0, ge=0)
     beta1: float = Field(0.9, ge=0, lt=1)

@@ -7,7 +7,7 @@ DeepSpeed log-prob engine, so both give the same numbers for the same text.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Literal
 
 import torch
@@ -29,6 +29,8 @@ class TokenOutputs:
     entropy: torch.Tensor | None  # [B, T] float32, or None when not asked for
     top_ids: torch.Tensor | None = None  # [B, T, k] the k most likely next tokens
     top_logprobs: torch.Tensor | None = None  # [B, T, k] their log-probs
+    # (sum, weight) pairs like a loss's metrics: ZoRRo's token counts when it packed the batch.
+    metrics: dict[str, tuple[float, float]] = field(default_factory=dict)
 
 
 def token_outputs(
@@ -51,12 +53,18 @@ def token_outputs(
     """
     from arctic_rl_core.processors import compute_entropy, compute_logprobs, compute_logprobs_and_entropy
 
+    metrics: dict[str, tuple[float, float]] = {}
     if zorro is not None and zorro.enable:
+        from arctic_rl_core.zorro.train import build_prefix_forest
         from arctic_rl_core.zorro.train import selected_hidden_states as packed_hidden_states
 
+        forest = build_prefix_forest(input_ids, attention_mask, select)
         hidden = packed_hidden_states(
-            model, input_ids, attention_mask, select, min_shared_tokens=zorro.min_shared_tokens
+            model, input_ids, attention_mask, select, min_shared_tokens=zorro.min_shared_tokens, forest=forest
         )
+        stats = forest.stats
+        # Reduced as sum/weight across micro-batches and ranks: real tokens per computed token.
+        metrics["zorro_train/dedup_ratio"] = (float(stats.tokens_real), float(max(stats.tokens_packed, 1)))
     else:
         hidden = selected_hidden_states(model, input_ids, attention_mask, select)
     labels = torch.roll(input_ids, shifts=-1, dims=1)[select]
@@ -83,7 +91,7 @@ def token_outputs(
             top_rows.append(torch.topk(logits.detach().float().log_softmax(-1), top_k, dim=-1))
     logprobs = _scatter(torch.cat(logprob_rows), select)
     ent = _scatter(torch.cat(entropy_rows), select) if entropy_rows else None
-    out = TokenOutputs(logprobs, ent)
+    out = TokenOutputs(logprobs, ent, metrics=metrics)
     if top_k:
         grid = (*select.shape, top_k)
         values = torch.cat([t.values for t in top_rows])

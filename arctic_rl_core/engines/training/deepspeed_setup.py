@@ -62,6 +62,8 @@ def build_optimizer(params, config: OptimizerConfig, device: str) -> torch.optim
         {"params": decay, "weight_decay": config.weight_decay},
         {"params": no_decay, "weight_decay": 0.0},
     ]
+    if config.name == "sgd":
+        return torch.optim.SGD([g for g in groups if g["params"]], lr=config.lr)
     return torch.optim.AdamW(
         [g for g in groups if g["params"]],
         lr=config.lr,

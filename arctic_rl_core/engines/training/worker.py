@@ -113,7 +113,12 @@ class DeepSpeedWorker:
     # ------------------------------------------------------------ identity
 
     def info(self) -> dict:
-        return {"rank": self.rank, "pid": os.getpid(), "device": str(self.device), "zero_stage": self._zero_stage}
+        return {
+            "rank": self.rank, "pid": os.getpid(), "device": str(self.device), "zero_stage": self._zero_stage,
+            # The job checks batches against these before any rank sees them.
+            "vocab_size": self.model.get_input_embeddings().num_embeddings,
+            "max_positions": getattr(self.model.config, "max_position_embeddings", None),
+        }  # fmt: skip
 
     def watch(self) -> None:
         """Blocks forever; the job awaits it so a dead worker is noticed at once, even when idle."""
@@ -186,6 +191,10 @@ class DeepSpeedWorker:
                     acc[1] += float(weight)
                 for name, value in result.maxima.items():
                     maxima[name] = max(maxima.get(name, float("-inf")), float(value))
+                for name, (total, weight) in out.metrics.items():
+                    acc = sums.setdefault(name, [0.0, 0.0])
+                    acc[0] += total
+                    acc[1] += weight
                 if out.entropy is not None and "entropy" not in result.metrics:
                     acc = sums.setdefault("entropy", [0.0, 0.0])
                     acc[0] += float((out.entropy.detach() * part.loss_mask).sum())
@@ -269,20 +278,33 @@ class DeepSpeedWorker:
         """Atomic: write under a temporary tag, rename, then point ``latest`` at it."""
         import torch.distributed as dist
 
+        from arctic_rl_core.errors import BadRequest
+
         root = Path(directory)
         tag = f"global_step{self.engine.global_steps}"
-        staging = f".tmp-{tag}-{int(time.time() * 1000)}" if self.rank == 0 else None
-        staging = self._broadcast_object(staging)
+        stamp = int(time.time() * 1000)
+        staging, refused = (f".tmp-{tag}-{stamp}", None) if self.rank == 0 else (None, None)
         if self.rank == 0:
-            root.mkdir(parents=True, exist_ok=True)
-        dist.barrier()
+            try:
+                root.mkdir(parents=True, exist_ok=True)
+            except OSError as exc:
+                refused = f"save_checkpoint: cannot create the directory path={directory!r}: {exc}"
+        # Every rank learns the outcome: one rank raising alone would leave the others waiting in a collective.
+        staging, refused = self._broadcast_object((staging, refused))
+        if refused is not None:
+            raise BadRequest(refused)
         self.engine.save_checkpoint(str(root), tag=staging, save_latest=False)
         dist.barrier()
         if self.rank == 0:
             final = root / tag
             if final.exists():
-                shutil.rmtree(final)
-            os.replace(root / staging, final)
+                # Renamed aside, not deleted in place: a crash mid-delete would leave `latest` naming a torn directory.
+                retired = root / f".old-{tag}-{stamp}"
+                os.replace(final, retired)
+                os.replace(root / staging, final)
+                shutil.rmtree(retired)
+            else:
+                os.replace(root / staging, final)
             pointer = root / ".latest.tmp"
             pointer.write_text(tag)
             os.replace(pointer, root / "latest")
