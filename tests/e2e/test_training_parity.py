@@ -64,22 +64,18 @@ def checkpoint_weights(directory: Path) -> dict[str, torch.Tensor]:
     return torch.load(directory / tag / "mp_rank_00_model_states.pt", weights_only=False)["module"]
 
 
-@pytest.fixture(scope="module")
-def http_client(tiny_model):
-    from tests.e2e.conftest import deployment_config
-
-    client = create_arctic_rl_client(deployment_config(tiny_model, "http", sampling_gpus=0, log_prob_gpus=0))
-    yield client
-    run(client.shutdown())
+# Jobs of their own, on the session's HTTP server (start-up is the slow part).
+on_the_http_server = pytest.mark.parametrize("client", ["http"], indirect=True)
 
 
-def test_fwd_bwd_grpo_gradients_equal_a_plain_torch_reimplementation(http_client, tiny_model, tmp_path):
+@on_the_http_server
+def test_fwd_bwd_grpo_gradients_equal_a_plain_torch_reimplementation(client, tiny_model, tmp_path):
     from transformers import AutoModelForCausalLM
 
     batch = grpo_batch()
 
     async def train_one_sgd_step() -> dict:
-        other = create_arctic_rl_client(remote_config(http_client, training_gpus=1, training_config=SGD))
+        other = create_arctic_rl_client(remote_config(client, training_gpus=1, training_config=SGD))
         try:
             out = await other.fwd_bwd(batch, {"loss_fn": "grpo", "config": {"eps_clip": 0.2}})
             await other.step()
@@ -99,12 +95,13 @@ def test_fwd_bwd_grpo_gradients_equal_a_plain_torch_reimplementation(http_client
         assert (engine_grad - grad).norm() / scale < 1e-5, name
 
 
-def test_grpo_through_the_client_with_zorro_on_equals_off(http_client):
+@on_the_http_server
+def test_grpo_through_the_client_with_zorro_on_equals_off(client):
     batch = grpo_batch(prompt_len=40)
 
     async def one_step(zorro: bool) -> tuple[dict, torch.Tensor]:
         config = {**SGD, "optimizer": {"name": "sgd", "lr": 0.5, "gradient_clipping": 0.0}, "zorro_train": {"enable": zorro}}
-        other = create_arctic_rl_client(remote_config(http_client, training_gpus=1, training_config=config))
+        other = create_arctic_rl_client(remote_config(client, training_gpus=1, training_config=config))
         try:
             out = await other.fwd_bwd(batch, {"loss_fn": "grpo", "config": {"eps_clip": 0.2}})
             await other.step()
@@ -118,3 +115,33 @@ def test_grpo_through_the_client_with_zorro_on_equals_off(http_client):
     assert on["metrics"]["zorro_train/dedup_ratio"] > 1.5
     # The updated weights agree: their log-probs on the batch match to fp32 precision.
     assert (lp_on - lp_off).abs().max() < 1e-5 * lp_off.abs().max()
+
+
+@on_the_http_server
+def test_micro_batches_and_zero_2_leave_the_update_unchanged(client, tmp_path):
+    """One micro-batch on ZeRO-0 vs four (a 30-token budget: one row each) on ZeRO-2: the same SGD update."""
+    batch = grpo_batch()
+
+    async def update(name: str, **fields) -> dict[str, torch.Tensor]:
+        other = create_arctic_rl_client(remote_config(client, training_gpus=1, **fields))
+        try:
+            out = await other.fwd_bwd(batch, {"loss_fn": "grpo", "config": {"loss_agg_mode": "seq-mean-token-mean"}})
+            await other.step()
+            await other.save_checkpoint(path=str(tmp_path / name))
+            return out
+        finally:
+            await other.shutdown()
+
+    whole = run(update("whole", training_config=SGD))
+    split = run(
+        update(
+            "split",
+            training_config={**SGD, "mb_spec": {"max_tokens_per_mb": 30}},
+            ds_config={"zero_optimization": {"stage": 2}},
+        )
+    )
+    assert (whole["micro_batches"], split["micro_batches"]) == (1, 4)
+    assert split["loss"] == pytest.approx(whole["loss"], rel=1e-6)
+    one, four = checkpoint_weights(tmp_path / "whole"), checkpoint_weights(tmp_path / "split")
+    for name, value in one.items():
+        assert torch.allclose(four[name], value, rtol=0, atol=1e-6 * LR), name
