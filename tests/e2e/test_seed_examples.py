@@ -37,8 +37,11 @@ def grpo_inputs(model: str):
     return input_ids, attention_mask, old_lps, old_lps.clone(), old_lps - 0.1
 
 
-@pytest.mark.parametrize("comm_protocol", PROTOCOLS)
-def test_client_api_examples(comm_protocol, tiny_model, tmp_path, monkeypatch):
+@pytest.mark.parametrize(
+    "comm_protocol, sampling_engine", [("http", "auto"), ("ray", "auto"), ("http", "vllm")], ids=["http", "ray", "http-vllm"]
+)
+def test_client_api_examples(comm_protocol, sampling_engine, tiny_model, tmp_path, monkeypatch):
+    """On CPU "auto" samples with the native engine; the third run samples with vLLM's CPU build."""
     monkeypatch.chdir(tmp_path)  # save_checkpoint() with no path writes ./checkpoints
     # --- Creating a Client
     config = ArcticRLClientConfig(
@@ -48,6 +51,7 @@ def test_client_api_examples(comm_protocol, tiny_model, tmp_path, monkeypatch):
         training_gpus=1,
         sampling_gpus=1,
         log_prob_gpus=1,
+        sampling_engine=sampling_engine,
     )
     client = create_arctic_rl_client(config)
     expected_class = {"http": "ArcticRLHTTPClient", "ray": "ArcticRLRayClient"}[comm_protocol]
