@@ -248,6 +248,8 @@ class Op:
     route: Optional[Callable[[Any], JobKind]] = None
     # Returned instead of an error when the job it needs does not exist.
     absent_result: Optional[dict] = None
+    # Client-side defaults that depend on where the client runs: (config, arguments) -> arguments.
+    client_defaults: Optional[Callable[[Any, dict], dict]] = None
 
     @property
     def path(self) -> str:
@@ -272,6 +274,16 @@ class Op:
         return JobKind(field.removesuffix("_job_id"))
 
 
+def _local_checkpoint_dir(config, arguments: dict) -> dict:
+    """With a local server, a relative or omitted path means the caller's working directory."""
+    import os
+
+    if config.backend != "local":
+        return arguments
+    path = arguments.get("path") or config.checkpoint_path or "checkpoints"
+    return {**arguments, "path": os.path.abspath(path)}
+
+
 OPS: dict[str, Op] = {
     op.name: op
     for op in (
@@ -283,7 +295,12 @@ OPS: dict[str, Op] = {
             route=lambda r: JobKind.LOG_PROB if r.reference_model else JobKind.TRAINING,
         ),
         Op("step", StepRequest, "One optimizer step; returns grad_norm and lr."),
-        Op("save_checkpoint", SaveCheckpointRequest, "Save a resumable training checkpoint."),
+        Op(
+            "save_checkpoint",
+            SaveCheckpointRequest,
+            "Save a resumable training checkpoint (default: checkpoint_path, else ./checkpoints of the caller).",
+            client_defaults=_local_checkpoint_dir,
+        ),
         Op("generate", GenerateRequest, "Sample completions; returns one result dict per prompt."),
         Op("log_probs", LogProbsRequest, "Per-token log-probs (and top-k alternatives) of prompts/completions."),
         Op("sync_weights", SyncWeightsRequest, "Copy training weights into the sampling engine.", route=lambda r: JobKind.TRAINING),

@@ -184,6 +184,8 @@ def _op_method(op: Op):
         except TypeError as exc:
             raise TypeError(f"{op.name}{signature}: {exc}") from None
         arguments = {k: v for k, v in bound.arguments.items() if k != "self"}
+        if op.client_defaults is not None:
+            arguments = op.client_defaults(self.config, arguments)
         for field in op.routing_fields:
             if op.request.model_fields[field].is_required():
                 self._job_id(field.removesuffix("_job_id"))  # a clear ValueError when the job does not exist
