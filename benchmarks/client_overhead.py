@@ -85,16 +85,30 @@ def ray_results(iterations: int, megabytes: int) -> dict:
         ray.kill(actor)
 
 
+def memcpy_gbps(megabytes: int) -> float:
+    """Bandwidth of one in-process copy of the same bytes: the ceiling every transport copy runs into."""
+    tensor = torch.randn(megabytes * 1024 * 1024 // 4)
+    out = torch.empty_like(tensor)
+    out.copy_(tensor)
+    started = time.perf_counter()
+    for _ in range(10):
+        out.copy_(tensor)
+    return 10 * tensor.nbytes / (time.perf_counter() - started) / 1e9
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--iterations", type=int, default=300)
     parser.add_argument("--megabytes", type=int, default=64)
     args = parser.parse_args()
     results = {"http": http_results(args.iterations, args.megabytes), "ray": ray_results(args.iterations, args.megabytes)}
+    copy = memcpy_gbps(args.megabytes)
     print(f"{'protocol':<8} {'small op p50':>13} {'p99':>9} {f'{args.megabytes} MB round trip':>20}")
     for name, r in results.items():
         print(f"{name:<8} {r['p50_ms']:>10.2f} ms {r['p99_ms']:>6.2f} ms {r['round_trip_GBps']:>15.2f} GB/s")
     http, ray_ = results["http"], results["ray"]
+    print(f"baseline: in-process copy of {args.megabytes} MB: {copy:.2f} GB/s; round trips reach "
+          f"http {results['http']['round_trip_GBps'] / copy:.2f}x, ray {results['ray']['round_trip_GBps'] / copy:.2f}x of it")  # fmt: skip
     print(f"ratio http/ray: small op p50 {http['p50_ms'] / ray_['p50_ms']:.2f}x, "
           f"throughput {http['round_trip_GBps'] / ray_['round_trip_GBps']:.2f}x")  # fmt: skip
     print(f"targets: http p50 <= 3 ms: {'met' if http['p50_ms'] <= 3 else 'MISSED'}; "
