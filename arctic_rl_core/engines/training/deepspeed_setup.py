@@ -9,9 +9,6 @@ import torch
 
 from arctic_rl_core.config import OptimizerConfig, TrainingConfig
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
 def merge(base: dict, override: dict) -> dict:
     """Recursive dict merge; ``override`` wins."""
     out = copy.deepcopy(base)
@@ -53,7 +50,7 @@ def build_ds_config(user: dict, training: TrainingConfig | None, dtype: str) -> 
 
 def build_optimizer(params, config: OptimizerConfig, device: str) -> torch.optim.Optimizer:
     decay, no_decay = [], []
-    for name, param in params:
+    for _, param in params:
         if not param.requires_grad:
             continue
         # Biases and norm weights are not decayed (the usual AdamW recipe).

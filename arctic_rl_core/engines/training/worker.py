@@ -21,7 +21,7 @@ from arctic_rl_core.config import TrainingConfig
 from arctic_rl_core.engines.batching import RowBatch, micro_batches
 from arctic_rl_core.engines.runtime import configure_process, device_memory, empty_device_cache, free_port
 from arctic_rl_core.engines.token_outputs import TokenOutputs, token_outputs
-from arctic_rl_core.engines.training.deepspeed_setup import DTYPES, build_ds_config, build_optimizer, lr_multiplier
+from arctic_rl_core.engines.training.deepspeed_setup import build_ds_config, build_optimizer, lr_multiplier
 
 logger = logging.getLogger(__name__)
 
@@ -255,10 +255,12 @@ class DeepSpeedWorker:
         self.engine.set_gradient_accumulation_boundary(True)
         norm = self._grad_norm_if_untracked()
         self.engine.step()
-        self._pending_micro_batches = 0
+        applied, self._pending_micro_batches = self._pending_micro_batches, 0
         tracked = self.engine.get_global_grad_norm()
         grad_norm = float(tracked) if tracked is not None else norm
-        return {"grad_norm": grad_norm, "lr": self._lr(), "step": int(self.engine.global_steps)}
+        # Gradients accumulate per job, from every client: the count says how many micro-batches this step applied.
+        step = int(self.engine.global_steps)
+        return {"grad_norm": grad_norm, "lr": self._lr(), "step": step, "micro_batches": applied}
 
     def _grad_norm_if_untracked(self) -> float:
         """ZeRO-0 does not report the global grad norm; compute it before the step clips."""
