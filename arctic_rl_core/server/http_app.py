@@ -20,7 +20,7 @@ from pydantic import ValidationError
 from pydantic.json_schema import models_json_schema
 
 from arctic_rl_core import wire
-from arctic_rl_core.errors import PayloadTooLarge, Unauthorized, status_of
+from arctic_rl_core.errors import BadRequest, PayloadTooLarge, Unauthorized, status_of
 from arctic_rl_core.ops import OPS, Op
 from arctic_rl_core.server.manager import JobManager
 
@@ -84,8 +84,7 @@ def create_app(manager: JobManager, auth_token: str | None, max_body_bytes: int 
 def _add_route(app: FastAPI, manager: JobManager, op: Op, max_body_bytes: int) -> None:
     async def handle(request: Request) -> Response:
         try:
-            data = await _read(request, op, max_body_bytes)
-            parsed = op.request.model_validate(data)
+            parsed = _validate(op, await _read(request, op, max_body_bytes))
             result = await manager.dispatch(op, parsed)
         except Exception as exc:  # noqa: BLE001 - every failure becomes a status + message
             return error_response(exc)
@@ -100,6 +99,16 @@ def _add_route(app: FastAPI, manager: JobManager, op: Op, max_body_bytes: int) -
             "content": {"application/json": {"schema": schema}, wire.CONTENT_TYPE: {"schema": {"type": "string", "format": "binary"}}},
         }
     app.add_api_route(op.path, handle, methods=[op.http_method], summary=op.doc, name=op.name, openapi_extra=extra)
+
+
+def _validate(op: Op, data: Any) -> Any:
+    """The op's request model from the decoded body; whatever a validator trips over is still the caller's input."""
+    try:
+        return op.request.model_validate(data)
+    except ValidationError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - e.g. torch refusing a nested list of dicts inside a tensor field
+        raise BadRequest(f"{op.name}: the request does not validate ({type(exc).__name__}: {exc})") from None
 
 
 async def _read(request: Request, op: Op, max_body_bytes: int) -> Any:
@@ -125,14 +134,14 @@ async def _read(request: Request, op: Op, max_body_bytes: int) -> Any:
         size = end
     del body[size:]
     content_type = request.headers.get("content-type", "application/json").split(";")[0].strip()
-    if content_type == wire.CONTENT_TYPE:
-        return wire.decode(body)
-    if content_type in ("application/json", ""):
-        try:
-            return json.loads(body) if body else {}
-        except ValueError as exc:
-            raise ValueError(f"request body is not valid JSON: {exc}") from None
-    raise ValueError(f"unsupported content-type {content_type!r}; use application/json or {wire.CONTENT_TYPE}")
+    if content_type not in (wire.CONTENT_TYPE, "application/json", ""):
+        raise ValueError(f"unsupported content-type {content_type!r}; use application/json or {wire.CONTENT_TYPE}")
+    try:
+        if content_type == wire.CONTENT_TYPE:
+            return wire.decode(body)
+        return json.loads(body) if body else {}
+    except Exception as exc:  # noqa: BLE001 - malformed bytes (truncated, nested past the parser) are a bad request
+        raise BadRequest(f"request body is not valid {content_type or 'application/json'}: {exc}") from None
 
 
 def _respond(request: Request, result: Any) -> Response:
