@@ -39,6 +39,13 @@ def validation_message(exc: ValidationError) -> str:
     return "; ".join(parts)
 
 
+class _JSONResponse(JSONResponse):
+    """JSON that carries non-finite floats (a diverged loss is a result, not a server error), as Python writes them."""
+
+    def render(self, content: Any) -> bytes:
+        return json.dumps(content, ensure_ascii=False, allow_nan=True, separators=(",", ":")).encode("utf-8")
+
+
 def error_response(exc: BaseException) -> JSONResponse:
     if isinstance(exc, ValidationError):
         return JSONResponse({"error": "ValidationError", "detail": validation_message(exc)}, status_code=422)
@@ -152,7 +159,7 @@ def _respond(request: Request, result: Any) -> Response:
         return StreamingResponse(
             _aiter(chunks), media_type=wire.CONTENT_TYPE, headers={"content-length": str(length)}
         )
-    return JSONResponse({"result": wire.to_jsonable(result)})
+    return _JSONResponse({"result": wire.to_jsonable(result)})
 
 
 async def _aiter(chunks):
