@@ -99,13 +99,28 @@ def _add_route(app: FastAPI, manager: JobManager, op: Op, max_body_bytes: int) -
 
     handle.__name__ = op.name
     extra: dict[str, Any] = {"x-arctic-op": op.name}
-    if op.http_method == "POST":
+    if op.http_method == "GET":
+        extra["parameters"] = _parameters(op)
+    else:
         schema = {"$ref": f"#/components/schemas/{op.request.__name__}"}
         extra["requestBody"] = {
             "required": True,
             "content": {"application/json": {"schema": schema}, wire.CONTENT_TYPE: {"schema": {"type": "string", "format": "binary"}}},
         }
     app.add_api_route(op.path, handle, methods=[op.http_method], summary=op.doc, name=op.name, openapi_extra=extra)
+
+
+def _parameters(op: Op) -> list[dict]:
+    """A GET op's fields as OpenAPI path or query parameters (the route takes the raw request, so FastAPI cannot)."""
+    properties = op.request.model_json_schema()["properties"]
+    parameters = []
+    for name, field in op.request.model_fields.items():
+        in_path = "{" + name + "}" in op.path
+        parameters.append(
+            {"name": name, "in": "path" if in_path else "query", "required": in_path or field.is_required(),
+             "schema": properties[name]}
+        )  # fmt: skip
+    return parameters
 
 
 def _validate(op: Op, data: Any) -> Any:
