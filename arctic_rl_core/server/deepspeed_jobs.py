@@ -42,6 +42,8 @@ class DeepSpeedJob(Job):
         self.spec = spec
         self.default_processing = default_processing
         self._tokenizer = None
+        self.vocab_size: int | None = None  # from rank 0 at start
+        self.max_positions: int | None = None
 
     async def _create_workers(self) -> None:
         world = len(self.slots)
@@ -52,9 +54,36 @@ class DeepSpeedJob(Job):
             for rank, slot in enumerate(self.slots)
         ]
         address = await self.workers[0].rendezvous_address.remote()
-        await asyncio.gather(*[w.setup.remote(*address) for w in self.workers])
+        infos = await asyncio.gather(*[w.setup.remote(*address) for w in self.workers])
+        self.vocab_size, self.max_positions = infos[0]["vocab_size"], infos[0]["max_positions"]
 
     # ------------------------------------------------------------ batches
+
+    def check_batch(self, batch: Batch) -> None:
+        """What only the model can settle: ids in its vocabulary, T within its positions, 0/1 masks, finite context.
+
+        Checked before any rank sees the batch: an id outside the embedding table would raise inside a rank, and a
+        NaN advantage would quietly poison the weights.
+        """
+        ids = batch.input_ids
+        low, high = int(ids.min()), int(ids.max())
+        if low < 0 or high >= self.vocab_size:
+            raise BadRequest(
+                f"batch.args[0] (input_ids): token ids must lie in [0, {self.vocab_size}) (the model's vocabulary), "
+                f"got values from {low} to {high}"
+            )
+        if self.max_positions is not None and ids.shape[1] > self.max_positions:
+            raise BadRequest(
+                f"batch.args[0] (input_ids): T={ids.shape[1]} exceeds the model's max_position_embeddings="
+                f"{self.max_positions}"
+            )
+        mask = batch.kwargs.get("attention_mask")
+        if mask is not None and not ((mask == 0) | (mask == 1)).all():
+            values = mask.unique()[:8].tolist()
+            raise BadRequest(f"batch.kwargs.attention_mask: expected only 0 and 1, got values {values}")
+        for name, tensor in batch.context.items():
+            if tensor.is_floating_point() and not torch.isfinite(tensor).all():
+                raise BadRequest(f"batch.context.{name}: holds NaN or infinite values; expected finite numbers")
 
     @staticmethod
     def rows(batch: Batch, loss_mask: torch.Tensor | None = None) -> RowBatch:
@@ -67,6 +96,7 @@ class DeepSpeedJob(Job):
     async def fwd_no_grad(self, batch: Batch, processing: Processing | None, return_entropy: bool, **_) -> dict:
         post = processing.post if processing is not None else []
         _validate_post(post)
+        self.check_batch(batch)
         parts = await self.call_each(
             "fwd_no_grad", [(shard, post, return_entropy) for shard in self.shards(self.rows(batch))]
         )
@@ -160,6 +190,7 @@ class TrainingJob(DeepSpeedJob):
         except ValueError as exc:
             raise BadRequest(f"processing: {exc}") from None
         _validate_post(processing.post)
+        self.check_batch(batch)
         context = dict(batch.context)
         if "response_mask" not in context and "loss_mask_shifted" not in context:
             # No mask given: every next token that is not padding counts, as in plain LM training.
