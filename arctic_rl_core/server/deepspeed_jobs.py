@@ -217,7 +217,8 @@ class TrainingJob(DeepSpeedJob):
         return reduce_metrics(results)
 
     async def step(self) -> dict:
-        return (await self.call_all("step"))[0]
+        ranks = await self.call_all("step")
+        return {**ranks[0], "micro_batches": sum(rank["micro_batches"] for rank in ranks)}
 
     async def save_checkpoint(self, path: str | None) -> dict:
         directory = path or self.spec.checkpoint_path or str(Path.cwd() / "checkpoints")
