@@ -14,11 +14,15 @@ import ray
 
 from arctic_rl_core.engines.sampling.protocol import SamplingEngineOptions, SamplingParams
 from arctic_rl_core.engines.sampling.worker import SamplingWorker
+from arctic_rl_core.errors import BadRequest
 from arctic_rl_core.ops import JobKind
 from arctic_rl_core.server.jobs import Job
 
 # Many callers wait on one replica at once (frameworks send one request per prompt): threads are cheap.
 RemoteSamplingWorker = ray.remote(max_concurrency=256)(SamplingWorker)
+
+# What sleep_inference frees (any level, on some backend) and wake_inference(tags) restores.
+SLEEP_TAGS = ("weights", "kv_cache")
 
 
 class SharedExclusiveLock:
@@ -62,6 +66,8 @@ class SamplingJob(Job):
         self.model_name, self.engine, self.options = model_name, engine, options
         self.lock = SharedExclusiveLock()
         self._in_flight: list[int] = []
+        self.max_model_len: int | None = None  # set at start: options.max_model_len or the model's positions
+        self._freed: set[str] = set()  # what sleep_inference freed and wake_inference has not restored yet
 
     async def _create_workers(self) -> None:
         self.workers = [
@@ -72,6 +78,25 @@ class SamplingJob(Job):
         ]
         self._in_flight = [0] * len(self.workers)
         await asyncio.gather(*[w.info.remote() for w in self.workers])
+        self.max_model_len = self.options.max_model_len or await asyncio.to_thread(_max_positions, self.model_name)
+
+    def check_generate(self, sampling_params: SamplingParams) -> None:
+        """Refuse what the engines would refuse (or run for minutes) before any replica sees it."""
+        if self._freed:
+            raise BadRequest(
+                f"{self.name} is asleep ({', '.join(sorted(self._freed))} freed by sleep_inference); "
+                "call wake_inference() before generate"
+            )
+        if self.max_model_len is not None and sampling_params.max_tokens >= self.max_model_len:
+            raise BadRequest(
+                f"sampling_params.max_tokens={sampling_params.max_tokens}: expected < max_model_len="
+                f"{self.max_model_len} (prompt and completion share it)"
+            )
+        if sampling_params.min_tokens > sampling_params.max_tokens:
+            raise BadRequest(
+                f"sampling_params.min_tokens={sampling_params.min_tokens}: expected <= max_tokens="
+                f"{sampling_params.max_tokens}"
+            )
 
     def _assign(self, count: int) -> list[tuple[int, int, int]]:
         """(replica, start, stop) chunks: an even split, least-loaded replicas first."""
@@ -89,6 +114,7 @@ class SamplingJob(Job):
     ) -> list[dict]:
         items = prompts if prompts is not None else prompt_token_ids
         async with self.lock.shared():
+            self.check_generate(sampling_params)
             chunks = self._assign(len(items))
             refs = []
             for replica, start, stop in chunks:
@@ -123,12 +149,21 @@ class SamplingJob(Job):
 
     async def sleep_inference(self, level: int) -> dict:
         async with self.lock.exclusive():
+            self._freed = set(SLEEP_TAGS)
             return {"replicas": await self.call_all("sleep", level)}
 
     async def wake_inference(self, tags: list[str] | None) -> dict:
         async with self.lock.exclusive():
-            return {"replicas": await self.call_all("wake", tags)}
+            result = {"replicas": await self.call_all("wake", tags)}
+            self._freed -= set(tags or SLEEP_TAGS)
+            return result
 
     async def reset_prefix_cache(self) -> dict:
         async with self.lock.exclusive():
             return {"replicas": await self.call_all("reset_prefix_cache")}
+
+
+def _max_positions(model_name: str) -> int | None:
+    from transformers import AutoConfig
+
+    return getattr(AutoConfig.from_pretrained(model_name), "max_position_embeddings", None)
