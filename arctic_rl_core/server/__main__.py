@@ -14,6 +14,7 @@ import asyncio
 import ipaddress
 import logging
 import os
+import signal
 import sys
 
 from arctic_rl_core.config import primary_ip
@@ -80,12 +81,20 @@ def serve(args: argparse.Namespace) -> int:
     if args.exit_with_parent is not None:
         _exit_with_parent(args.exit_with_parent, stop)
     logger.info("arctic-rl serving on http://%s:%d (device %s)", host, args.port, device)
-    # uvicorn turns SIGTERM/SIGINT into a graceful shutdown; the app's lifespan then destroys the jobs.
+    # uvicorn turns SIGTERM/SIGINT into a graceful shutdown (the app's lifespan destroys the jobs), then raises the
+    # signal again under the handler it found. That would be Ray's driver handler, which exits with the signal's
+    # number before Ray is shut down; this one lets the shutdown below run and the process exit 0.
+    for handled in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(handled, _shutdown_done)
     asyncio.run(server.serve())
     import ray
 
     ray.shutdown()
     return 0
+
+
+def _shutdown_done(signum: int, _frame) -> None:
+    logger.info("%s served: in-flight requests finished and jobs destroyed", signal.Signals(signum).name)
 
 
 def _exit_with_parent(pid: int, stop) -> None:
