@@ -187,8 +187,12 @@ def main(argv: Sequence[str] | None = None) -> None:
             parser.error("--dataset synthetic needs --tokenizer to measure context length")
         counts = {"train": args.contexts, "test": args.test_contexts}
         written = prepare_synthetic(
-            args.out, args.tokenizer, args.context_tokens, {split: counts[split] for split in args.splits},
-            args.questions_per_context, args.seed,
+            args.out,
+            args.tokenizer,
+            args.context_tokens,
+            {split: counts[split] for split in args.splits},
+            args.questions_per_context,
+            args.seed,
         )
     else:
         files = {split: path for split, path in (("train", args.train_file), ("test", args.test_file)) if path}

@@ -26,11 +26,53 @@ from recipes.long_context_qa.examples import Document, QAExample, context_prefix
 
 DATA_SOURCE = "synthetic_long_context"
 
-_SYLLABLES = ("ka", "ri", "mo", "ven", "tal", "dor", "sil", "bra", "qu", "el", "ost", "mar", "lin", "zu", "per", "gan",
-              "ne", "thi", "vol", "rak", "sa", "dun", "ith", "cor", "ple", "wy", "fen", "gor", "hal", "ju")
+_SYLLABLES = (
+    "ka",
+    "ri",
+    "mo",
+    "ven",
+    "tal",
+    "dor",
+    "sil",
+    "bra",
+    "qu",
+    "el",
+    "ost",
+    "mar",
+    "lin",
+    "zu",
+    "per",
+    "gan",
+    "ne",
+    "thi",
+    "vol",
+    "rak",
+    "sa",
+    "dun",
+    "ith",
+    "cor",
+    "ple",
+    "wy",
+    "fen",
+    "gor",
+    "hal",
+    "ju",
+)
 _ORG_KINDS = ("Institute", "Society", "Works", "Guild", "Foundation", "Observatory", "Company", "Academy")
-_PROFESSIONS = ("cartographer", "glassblower", "astronomer", "shipwright", "botanist", "engraver", "archivist",
-                "clockmaker", "surveyor", "linguist", "beekeeper", "metallurgist")
+_PROFESSIONS = (
+    "cartographer",
+    "glassblower",
+    "astronomer",
+    "shipwright",
+    "botanist",
+    "engraver",
+    "archivist",
+    "clockmaker",
+    "surveyor",
+    "linguist",
+    "beekeeper",
+    "metallurgist",
+)
 _FILLER = (
     "{name} is mentioned in several regional chronicles.",
     "Accounts of {name} differ in small details from one archive to the next.",
@@ -81,15 +123,29 @@ def _with_filler(rng: random.Random, name: str, facts: list[str]) -> str:
 
 def _documents(rng: random.Random, founding: _Founding) -> tuple[Document, Document]:
     f = founding
-    person = Document(f.person, _with_filler(rng, f.person, [
-        f"{f.person} was born in {f.birth_city}.",
-        f"{f.person} worked as a {f.profession}.",
-        f"{f.person} founded the {f.organization}.",
-    ]))
-    organization = Document(f.organization, _with_filler(rng, f.organization, [
-        f"The {f.organization} is based in {f.city}.",
-        f"The {f.organization} was established in {f.year}.",
-    ]))
+    person = Document(
+        f.person,
+        _with_filler(
+            rng,
+            f.person,
+            [
+                f"{f.person} was born in {f.birth_city}.",
+                f"{f.person} worked as a {f.profession}.",
+                f"{f.person} founded the {f.organization}.",
+            ],
+        ),
+    )
+    organization = Document(
+        f.organization,
+        _with_filler(
+            rng,
+            f.organization,
+            [
+                f"The {f.organization} is based in {f.city}.",
+                f"The {f.organization} was established in {f.year}.",
+            ],
+        ),
+    )
     return person, organization
 
 
@@ -176,8 +232,11 @@ def generate(
     as ``tokenizer`` counts it. A context too short for ``questions_per_context``
     distinct questions (five per founder) gets all it has.
     """
-    for field, value in (("num_contexts", num_contexts), ("questions_per_context", questions_per_context),
-                         ("context_tokens", context_tokens)):
+    for field, value in (
+        ("num_contexts", num_contexts),
+        ("questions_per_context", questions_per_context),
+        ("context_tokens", context_tokens),
+    ):
         if value < 1:
             raise ValueError(f"{field} must be >= 1, got {value}")
     count_tokens = token_counter(tokenizer)

@@ -31,8 +31,11 @@ from recipes.txt2sql.sandbox import table_definitions
 from recipes.txt2sql.synthetic import generate_corpus
 
 ABILITY = "sql"
-SPIDER_SPLITS = {"train": ("train_spider.json", "database"), "dev": ("dev.json", "database"),
-                 "test": ("test.json", "test_database")}
+SPIDER_SPLITS = {
+    "train": ("train_spider.json", "database"),
+    "dev": ("dev.json", "database"),
+    "test": ("test.json", "test_database"),
+}
 BIRD_SPLITS = ("train", "dev")
 SYNTHETIC_SPLITS = ("train", "dev")
 DATA_SOURCES = {"spider": "spider", "bird": "bird", "synthetic": "synthetic_sql"}
@@ -40,8 +43,7 @@ DATA_SOURCES = {"spider": "spider", "bird": "bird", "synthetic": "synthetic_sql"
 Source = Literal["spider", "bird", "synthetic"]
 
 INSTRUCTION = (
-    f"Think step by step, then write one SQLite query that answers the question, "
-    f"inside <{SQL_TAG}></{SQL_TAG}> tags."
+    f"Think step by step, then write one SQLite query that answers the question, inside <{SQL_TAG}></{SQL_TAG}> tags."
 )
 
 
@@ -78,12 +80,14 @@ def load_spider(root: str | Path, split: str = "train") -> list[Txt2SQLExample]:
     examples = []
     for record in read_json_records(path):
         _require_fields(record, ("db_id", "question", "query"), path)
-        examples.append(Txt2SQLExample(
-            question=record["question"],
-            db_id=record["db_id"],
-            db_path=_database_path(Path(root) / databases, record["db_id"]),
-            gold_sql=record["query"],
-        ))
+        examples.append(
+            Txt2SQLExample(
+                question=record["question"],
+                db_id=record["db_id"],
+                db_path=_database_path(Path(root) / databases, record["db_id"]),
+                gold_sql=record["query"],
+            )
+        )
     return examples
 
 
@@ -99,13 +103,15 @@ def load_bird(root: str | Path, split: str = "train") -> list[Txt2SQLExample]:
     examples = []
     for record in read_json_records(path):
         _require_fields(record, ("db_id", "question", "SQL"), path)
-        examples.append(Txt2SQLExample(
-            question=record["question"],
-            db_id=record["db_id"],
-            db_path=_database_path(split_dir / f"{split}_databases", record["db_id"]),
-            gold_sql=record["SQL"],
-            evidence=record.get("evidence") or "",
-        ))
+        examples.append(
+            Txt2SQLExample(
+                question=record["question"],
+                db_id=record["db_id"],
+                db_path=_database_path(split_dir / f"{split}_databases", record["db_id"]),
+                gold_sql=record["SQL"],
+                evidence=record.get("evidence") or "",
+            )
+        )
     return examples
 
 

@@ -47,14 +47,95 @@ class _Domain:
     item_names: Callable[[random.Random], str]
 
 
-_FIRST = ("Ada", "Bram", "Cora", "Dev", "Elin", "Faro", "Gita", "Hugo", "Iris", "Jon", "Kira", "Leo", "Mina", "Nils",
-          "Omar", "Pia", "Quin", "Rosa", "Sami", "Tove", "Uma", "Vik", "Wren", "Yara", "Zeno")
-_LAST = ("Abbot", "Berg", "Castell", "Dahl", "Eklund", "Ferro", "Grant", "Holm", "Ivers", "Jansen", "Kovac", "Lund",
-         "Moreau", "Novak", "Olsen", "Price", "Quist", "Rossi", "Stone", "Toth", "Varga", "Weber", "Young", "Zell")
-_ADJECTIVES = ("Silent", "Hidden", "Golden", "Last", "Broken", "Northern", "Crimson", "Quiet", "Endless", "Bright",
-               "Lost", "Winter", "Paper", "Iron", "Glass", "Hollow")
-_NOUNS = ("River", "Garden", "Harbor", "Orchard", "Tower", "Letter", "Island", "Forest", "Bridge", "Compass", "Lantern",
-          "Mountain", "Station", "Archive", "Meadow", "Engine")
+_FIRST = (
+    "Ada",
+    "Bram",
+    "Cora",
+    "Dev",
+    "Elin",
+    "Faro",
+    "Gita",
+    "Hugo",
+    "Iris",
+    "Jon",
+    "Kira",
+    "Leo",
+    "Mina",
+    "Nils",
+    "Omar",
+    "Pia",
+    "Quin",
+    "Rosa",
+    "Sami",
+    "Tove",
+    "Uma",
+    "Vik",
+    "Wren",
+    "Yara",
+    "Zeno",
+)
+_LAST = (
+    "Abbot",
+    "Berg",
+    "Castell",
+    "Dahl",
+    "Eklund",
+    "Ferro",
+    "Grant",
+    "Holm",
+    "Ivers",
+    "Jansen",
+    "Kovac",
+    "Lund",
+    "Moreau",
+    "Novak",
+    "Olsen",
+    "Price",
+    "Quist",
+    "Rossi",
+    "Stone",
+    "Toth",
+    "Varga",
+    "Weber",
+    "Young",
+    "Zell",
+)
+_ADJECTIVES = (
+    "Silent",
+    "Hidden",
+    "Golden",
+    "Last",
+    "Broken",
+    "Northern",
+    "Crimson",
+    "Quiet",
+    "Endless",
+    "Bright",
+    "Lost",
+    "Winter",
+    "Paper",
+    "Iron",
+    "Glass",
+    "Hollow",
+)
+_NOUNS = (
+    "River",
+    "Garden",
+    "Harbor",
+    "Orchard",
+    "Tower",
+    "Letter",
+    "Island",
+    "Forest",
+    "Bridge",
+    "Compass",
+    "Lantern",
+    "Mountain",
+    "Station",
+    "Archive",
+    "Meadow",
+    "Engine",
+)
 _CITIES = ("Oslo", "Lyon", "Porto", "Turin", "Ghent", "Malmo", "Krakow", "Bergen", "Graz", "Leeds")
 
 
@@ -68,28 +149,52 @@ def _title(rng: random.Random) -> str:
 
 _DOMAINS = (
     _Domain(
-        group_table="departments", group_noun="department",
+        group_table="departments",
+        group_noun="department",
         group_names=("Sales", "Research", "Finance", "Legal", "Support", "Design"),
-        item_table="employees", item_noun="employee", item_plural="employees",
-        amount="salary", amount_phrase="salary", above="with a salary above {}",
-        descending="from the highest salary to the lowest", amount_range=(30_000, 150_000),
-        year_column="hire_year", year_verb="were hired", item_names=_person,
+        item_table="employees",
+        item_noun="employee",
+        item_plural="employees",
+        amount="salary",
+        amount_phrase="salary",
+        above="with a salary above {}",
+        descending="from the highest salary to the lowest",
+        amount_range=(30_000, 150_000),
+        year_column="hire_year",
+        year_verb="were hired",
+        item_names=_person,
     ),
     _Domain(
-        group_table="publishers", group_noun="publisher",
+        group_table="publishers",
+        group_noun="publisher",
         group_names=("Northwind", "Bluebird", "Harbor", "Quill", "Meridian", "Atlas"),
-        item_table="books", item_noun="book", item_plural="books",
-        amount="pages", amount_phrase="number of pages", above="with more than {} pages",
-        descending="from the longest to the shortest", amount_range=(80, 1_200),
-        year_column="published_year", year_verb="were published", item_names=_title,
+        item_table="books",
+        item_noun="book",
+        item_plural="books",
+        amount="pages",
+        amount_phrase="number of pages",
+        above="with more than {} pages",
+        descending="from the longest to the shortest",
+        amount_range=(80, 1_200),
+        year_column="published_year",
+        year_verb="were published",
+        item_names=_title,
     ),
     _Domain(
-        group_table="teams", group_noun="team",
+        group_table="teams",
+        group_noun="team",
         group_names=("Falcons", "Otters", "Comets", "Wolves", "Herons", "Tigers"),
-        item_table="players", item_noun="player", item_plural="players",
-        amount="goals", amount_phrase="number of goals", above="who scored more than {} goals",
-        descending="from the most goals to the fewest", amount_range=(0, 400),
-        year_column="joined_year", year_verb="joined their team", item_names=_person,
+        item_table="players",
+        item_noun="player",
+        item_plural="players",
+        amount="goals",
+        amount_phrase="number of goals",
+        above="who scored more than {} goals",
+        descending="from the most goals to the fewest",
+        amount_range=(0, 400),
+        year_column="joined_year",
+        year_verb="joined their team",
+        item_names=_person,
     ),
 )
 
@@ -154,26 +259,44 @@ def _candidate_questions(
     threshold = rng.choice(sorted(item.amount for item in items)[:-1])
     year = rng.choice([item.year for item in items])
     pairs = [
-        (f"How many {d.item_plural} belong to the {group_name} {d.group_noun}?",
-         f"SELECT COUNT(*) FROM {join} WHERE {g}.name = '{group_name}'"),
+        (
+            f"How many {d.item_plural} belong to the {group_name} {d.group_noun}?",
+            f"SELECT COUNT(*) FROM {join} WHERE {g}.name = '{group_name}'",
+        ),
         (f"What is the highest {d.amount_phrase} of any {d.item_noun}?", f"SELECT MAX({d.amount}) FROM {i}"),
-        (f"List the names of {d.item_plural} {d.above.format(threshold)}, {d.descending}.",
-         f"SELECT name FROM {i} WHERE {d.amount} > {threshold} ORDER BY {d.amount} DESC"),
-        (f"In which city is the {group_name} {d.group_noun} located?",
-         f"SELECT city FROM {g} WHERE name = '{group_name}'"),
-        (f"For each {d.group_noun}, what is the average {d.amount_phrase} of its {d.item_plural}?",
-         f"SELECT {g}.name, AVG({i}.{d.amount}) FROM {join} GROUP BY {g}.name"),
-        (f"Which {d.item_plural} {d.year_verb} in {year} or later?",
-         f"SELECT name FROM {i} WHERE {d.year_column} >= {year}"),
-        (f"What is the total {d.amount_phrase} of {d.item_plural} whose {d.group_noun} is in {city}?",
-         f"SELECT SUM({i}.{d.amount}) FROM {join} WHERE {g}.city = '{city}'"),
-        (f"Which {d.item_noun} has the lowest {d.amount_phrase}?",
-         f"SELECT name FROM {i} ORDER BY {d.amount} ASC LIMIT 1"),
+        (
+            f"List the names of {d.item_plural} {d.above.format(threshold)}, {d.descending}.",
+            f"SELECT name FROM {i} WHERE {d.amount} > {threshold} ORDER BY {d.amount} DESC",
+        ),
+        (
+            f"In which city is the {group_name} {d.group_noun} located?",
+            f"SELECT city FROM {g} WHERE name = '{group_name}'",
+        ),
+        (
+            f"For each {d.group_noun}, what is the average {d.amount_phrase} of its {d.item_plural}?",
+            f"SELECT {g}.name, AVG({i}.{d.amount}) FROM {join} GROUP BY {g}.name",
+        ),
+        (
+            f"Which {d.item_plural} {d.year_verb} in {year} or later?",
+            f"SELECT name FROM {i} WHERE {d.year_column} >= {year}",
+        ),
+        (
+            f"What is the total {d.amount_phrase} of {d.item_plural} whose {d.group_noun} is in {city}?",
+            f"SELECT SUM({i}.{d.amount}) FROM {join} WHERE {g}.city = '{city}'",
+        ),
+        (
+            f"Which {d.item_noun} has the lowest {d.amount_phrase}?",
+            f"SELECT name FROM {i} ORDER BY {d.amount} ASC LIMIT 1",
+        ),
     ]
     largest = sorted(sizes.values(), reverse=True)
     if largest[0] > largest[1]:
-        pairs.append((f"Which {d.group_noun} has the most {d.item_plural}?",
-                      f"SELECT {g}.name FROM {join} GROUP BY {g}.id ORDER BY COUNT(*) DESC LIMIT 1"))
+        pairs.append(
+            (
+                f"Which {d.group_noun} has the most {d.item_plural}?",
+                f"SELECT {g}.name FROM {join} GROUP BY {g}.id ORDER BY COUNT(*) DESC LIMIT 1",
+            )
+        )
     return pairs
 
 
@@ -205,8 +328,11 @@ def generate_corpus(
     Each database gets ``questions_per_database`` distinct questions, or all its
     world offers when that is fewer (a few dozen).
     """
-    for field, value in (("train_databases", train_databases), ("dev_databases", dev_databases),
-                         ("questions_per_database", questions_per_database)):
+    for field, value in (
+        ("train_databases", train_databases),
+        ("dev_databases", dev_databases),
+        ("questions_per_database", questions_per_database),
+    ):
         if value < 1:
             raise ValueError(f"{field} must be >= 1, got {value}")
     out_dir = Path(out_dir)

@@ -15,13 +15,11 @@ steps="${STEPS:-3}"
 
 "$python" -m arctic_rl_core.models.tiny "$out/model" --family qwen2
 "$python" -m recipes.gsm8k.skyrl.data --out "$out/data" --source local --limit 16
-export TENSORBOARD_DIR="$out/tensorboard"
 
-"$python" -m skyrl.train.entrypoints.main_base \
+source recipes/common/skyrl_cpu_smoke.sh
+skyrl_cpu_smoke "$python" "$out" "$steps" \
     data.train_data="['$out/data/train.parquet']" \
     data.val_data="['$out/data/test.parquet']" \
-    data.dataloader.num_workers=0 \
-    trainer.policy.model.path="$out/model" \
     trainer.policy.optimizer_config.lr=1e-5 \
     trainer.train_batch_size=4 \
     trainer.policy_mini_batch_size=4 \
@@ -31,17 +29,6 @@ export TENSORBOARD_DIR="$out/tensorboard"
     generator.batched=true \
     generator.sampling_params.max_generate_length=16 \
     trainer.max_prompt_length=512 \
-    trainer.max_training_steps="$steps" \
-    trainer.eval_interval=-1 \
-    trainer.eval_before_train=false \
-    trainer.ckpt_interval=-1 \
-    trainer.bf16=false \
-    trainer.gradient_checkpointing=false \
-    trainer.logger=tensorboard \
-    trainer.enable_ray_gpu_monitor=false \
-    trainer.ckpt_path="$out/ckpts" \
-    trainer.export_path="$out/exports" \
-    trainer.log_path="$out/logs" \
     trainer.override_entrypoint=arctic_rl_skyrl.entrypoint \
     trainer.arctic_rl="{device: cpu, ray_auto_attach: false}" \
     "$@"

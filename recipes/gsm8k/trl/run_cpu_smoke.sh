@@ -1,19 +1,22 @@
 #!/usr/bin/env bash
-# ArcticGRPOTrainer on GSM8K, on a CPU: a tiny Qwen2 made on the spot, 16 problems from
-# ../shared/data/gsm8k, $STEPS GRPO steps (default 3) on the arctic training engine and native sampler.
+# GSM8K with TRL on a CPU: a tiny Qwen2 made on the spot, 16 problems from ../shared/data/gsm8k,
+# 3 GRPO steps on ArcticGRPOTrainer (the arctic training engine and native sampler), one evaluation
+# and one checkpoint.
 #
-#   bash recipes/gsm8k/trl/run_cpu_smoke.sh [more recipes.gsm8k.trl.train options ...]
+#   recipes/gsm8k/trl/run_cpu_smoke.sh [hydra overrides...]      # e.g. trainer=trl: TRL's own GRPOTrainer
 #
-# OUT_DIR (default /tmp/arctic-rl-trl-smoke) receives the model, the data and the TRL checkpoints.
+# WORK (default: a fresh temporary directory) receives the model, the data and the run
+# (checkpoint-3/, trainer_state.json).
 set -euo pipefail
-cd "$(dirname "$0")/../../.."
-python="${PYTHON:-.venv/bin/python}"
-out="${OUT_DIR:-/tmp/arctic-rl-trl-smoke}"
-steps="${STEPS:-3}"
 
-"$python" -m arctic_rl_core.models.tiny "$out/model" --family qwen2
-"$python" -m recipes.gsm8k.data --out "$out/data" --source local --limit 16
-"$python" -m recipes.gsm8k.trl.train \
-    --data "$out/data" --model "$out/model" --out "$out/run" --cpu \
-    --steps "$steps" --prompts-per-step 2 --num-generations 4 --max-completion-length 16 \
-    --eval-steps "$steps" --save-steps "$steps" "$@"
+HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+REPO="$(cd "$HERE/../../.." && pwd)"
+WORK="${WORK:-$(mktemp -d -t arctic-rl-trl-gsm8k-XXXXXX)}"
+
+cd "$REPO"
+python -m arctic_rl_core.models.tiny "$WORK/tiny-qwen2" --family qwen2
+python -m recipes.gsm8k.data --out "$WORK/gsm8k" --source local --limit 16
+
+exec python -m recipes.trl_main --config-path "$HERE" --config-name arctic_gsm8k_cpu \
+    model="$WORK/tiny-qwen2" data.train_files="$WORK/gsm8k/train.parquet" \
+    data.eval_files="$WORK/gsm8k/test.parquet" grpo.output_dir="$WORK/run" "$@"

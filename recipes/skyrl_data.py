@@ -1,0 +1,55 @@
+"""A recipe's prepared data in SkyRL's dataset format, each row bound to the recipe's skyrl-gym environment.
+
+    python -m recipes.txt2sql.data --out /tmp/sql --source synthetic
+    python -m recipes.skyrl_data --src /tmp/sql --out /tmp/sql-skyrl --env-class txt2sql
+
+Reads ``<split>.parquet`` of a recipe's data script (verl's format) and writes
+``<split>.parquet`` and ``<split>.jsonl`` with SkyRL's columns
+(``recipes.common.records.to_skyrl_row``): what ``data.train_data`` and
+``data.val_data`` point at.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Sequence
+from pathlib import Path
+
+from recipes.common.records import to_skyrl_row, write_split
+
+# The recipes with a skyrl-gym environment of their own (recipes.skyrl_env): each is rewarded by
+# recipes.<env_class>.reward. Listed here, free of skyrl imports, so data converts in any environment.
+ENV_CLASSES = ("txt2sql", "long_context_qa")
+
+
+def convert(
+    src_dir: str | Path, out_dir: str | Path, env_class: str, splits: Sequence[str]
+) -> dict[str, dict[str, Path]]:
+    """Write each split of ``src_dir`` under ``out_dir`` in SkyRL's format; return the paths by split."""
+    import pyarrow.parquet as pq
+
+    if env_class not in ENV_CLASSES:
+        raise ValueError(f"env_class must be one of {ENV_CLASSES}, got {env_class!r}")
+    written = {}
+    for split in splits:
+        source = Path(src_dir) / f"{split}.parquet"
+        if not source.is_file():
+            raise FileNotFoundError(f"split {split!r} not found at {str(source)!r}: run the recipe's data script first")
+        rows = pq.read_table(source).to_pylist()
+        written[split] = write_split([to_skyrl_row(row, env_class) for row in rows], out_dir, split)
+    return written
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--src", required=True, help="directory with <split>.parquet from recipes.<task>.data")
+    parser.add_argument("--out", required=True, help="directory to write SkyRL's <split>.parquet and .jsonl into")
+    parser.add_argument("--env-class", required=True, choices=ENV_CLASSES)
+    parser.add_argument("--splits", nargs="+", default=["train", "test"])
+    args = parser.parse_args(argv)
+    for split, paths in convert(args.src, args.out, args.env_class, args.splits).items():
+        print(f"{split}: {paths['parquet']} {paths['jsonl']}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,133 @@
+"""The recipes' launch configs compose and validate as their frameworks will read them, GPU ones included.
+
+The GPU configs never run here; this is where a typo in one shows. verl's are
+validated as ``main_ppo`` does in the driver (where the arctic backend maps
+verl's settings and refuses what it cannot serve); TRL's become the
+GRPOConfig and ArcticRLClientConfig ``recipes.trl_main`` builds, checked by
+the same functions ArcticGRPOTrainer runs at construction. The CPU smoke
+configs must keep the GPU run's recipe (reward, ZoRRo, data order) and shrink
+only its size.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+
+REPO = Path(__file__).resolve().parents[2]
+TASKS = ("txt2sql", "long_context_qa")
+REWARD_MODULES = {"gsm8k": "recipes.gsm8k.reward", "txt2sql": "recipes.txt2sql.reward",
+                  "long_context_qa": "recipes.long_context_qa.reward"}  # fmt: skip
+
+
+def composed(framework: str, task: str, name: str, *overrides: str):
+    with initialize_config_dir(str(REPO / "recipes" / task / framework), version_base=None):
+        return compose(name, overrides=list(overrides))
+
+
+def verl_config(task: str, variant: str):
+    from verl.trainer.ppo.utils import need_critic, need_reference_policy
+    from verl.utils.config import validate_config
+
+    # The CPU configs leave the model and data to their launch script.
+    paths = ["actor_rollout_ref.model.path=/models/tiny", "data.train_files=/data/train.parquet",
+             "data.val_files=/data/test.parquet"] if variant else []  # fmt: skip
+    cfg = composed("verl", task, f"arctic_{task}{variant}", *paths)
+    validate_config(cfg, use_reference_policy=need_reference_policy(cfg), use_critic=need_critic(cfg))
+    return cfg
+
+
+def trl_config(task: str, variant: str):
+    overrides = ["model=/models/tiny", "data.train_files=/data/train.parquet"] if variant else []
+    return composed("trl", task, f"arctic_{task}{variant}", *overrides)
+
+
+@pytest.mark.parametrize("task", TASKS)
+def test_verl_gpu_config_validates_on_eight_gpus_with_zorro_and_the_recipe_reward(task):
+    from verl.utils.config import omega_conf_to_dataclass
+
+    cfg = verl_config(task, "")
+    arctic = omega_conf_to_dataclass(cfg.actor_rollout_ref.actor).arctic
+    assert (arctic.training_gpus, arctic.sampling_gpus, arctic.log_prob_gpus) == (8, 8, 8)
+    assert arctic.zorro_train and arctic.sampling_engine == "vllm"
+    assert cfg.actor_rollout_ref.model.path.startswith("Qwen/Qwen3-")
+    assert cfg.reward.custom_reward_function.path == f"pkg://{REWARD_MODULES[task]}"
+
+
+@pytest.mark.parametrize("task", TASKS)
+def test_verl_cpu_config_keeps_the_gpu_recipe_and_shrinks_its_size(task):
+    gpu, cpu = verl_config(task, ""), verl_config(task, "_cpu")
+    assert cpu.reward.custom_reward_function == gpu.reward.custom_reward_function
+    assert cpu.actor_rollout_ref.actor.arctic.zorro_train == gpu.actor_rollout_ref.actor.arctic.zorro_train
+    assert cpu.data.shuffle == gpu.data.shuffle
+    assert cpu.trainer.total_training_steps == 2 and cpu.trainer.test_freq == -1
+    assert cpu.actor_rollout_ref.rollout.n == 2 and cpu.data.max_response_length <= 16
+
+
+def test_long_context_qa_keeps_the_questions_on_one_context_together_in_every_framework_that_can():
+    verl = verl_config("long_context_qa", "")
+    trl = trl_config("long_context_qa", "")
+    assert verl.data.shuffle is False and trl.grpo.shuffle_dataset is False
+    assert verl.actor_rollout_ref.actor.arctic.zorro_train
+    assert trl.arctic.training_config.zorro_train.enable
+
+
+@pytest.mark.parametrize("task", [*TASKS, "gsm8k"])
+@pytest.mark.parametrize("variant", ["", "_cpu"])
+def test_trl_config_builds_a_grpo_config_and_deployment_arctic_grpo_trainer_accepts(task, variant):
+    from trl import GRPOConfig
+
+    from arctic_rl_core import ArcticRLClientConfig
+    from arctic_rl_trl.compat import grpo_config_problems
+    from arctic_rl_trl.engine_config import training_config_problems
+
+    cfg = trl_config(task, variant)
+    args = GRPOConfig(**OmegaConf.to_container(cfg.grpo, resolve=True))
+    arctic = ArcticRLClientConfig(**OmegaConf.to_container(cfg.arctic, resolve=True))
+    assert grpo_config_problems(args) == []
+    assert training_config_problems(arctic.training_config, args) == []
+    assert arctic.model_name == cfg.model
+    assert cfg.reward.module == REWARD_MODULES[task] and cfg.trainer == "arctic"
+    if variant:
+        assert arctic.device == "cpu" and not args.bf16 and args.max_completion_length <= 16
+    else:
+        assert cfg.model.startswith("Qwen/Qwen3-") and args.bf16 and arctic.training_config["zorro_train"]["enable"]
+
+
+def test_trl_main_names_the_missing_data_file_and_how_to_make_it(tmp_path):
+    from recipes.trl_main import build_trainer
+
+    cfg = trl_config("txt2sql", "_cpu")
+    cfg.data.train_files = str(tmp_path / "train.parquet")
+    with pytest.raises(FileNotFoundError, match=r"data.train_files: .*train.parquet.* recipes.<task>.data"):
+        build_trainer(cfg)
+
+
+def test_trl_main_refuses_an_unknown_trainer_and_a_reward_module_without_compute_score():
+    from recipes.trl_main import build_trainer, reward_function
+
+    cfg = trl_config("txt2sql", "_cpu")
+    cfg.trainer = "grpo"
+    with pytest.raises(ValueError, match=r"trainer must be one of \('arctic', 'trl'\), got 'grpo'"):
+        build_trainer(cfg)
+    with pytest.raises(ValueError, match=r"reward.module='recipes.common.records' must define compute_score"):
+        reward_function(OmegaConf.create({"module": "recipes.common.records", "name": "x", "kwargs": {}}))
+
+
+def test_skyrl_data_binds_each_row_to_the_recipe_environment(tmp_path):
+    from recipes.common.records import read_jsonl
+    from recipes.skyrl_data import convert
+    from recipes.txt2sql.data import prepare
+
+    prepare(tmp_path / "verl", "synthetic", limit=2)
+    written = convert(tmp_path / "verl", tmp_path / "skyrl", "txt2sql", ["train"])
+    rows = read_jsonl(written["train"]["jsonl"])
+    assert len(rows) == 2
+    assert {row["env_class"] for row in rows} == {"txt2sql"}
+    assert all(row["reward_spec"]["ground_truth"].lower().startswith("select") for row in rows)
+    assert all(Path(row["extra_info"]["db_path"]).is_file() for row in rows)
+    with pytest.raises(ValueError, match=r"env_class must be one of \('txt2sql', 'long_context_qa'\), got 'gsm8k'"):
+        convert(tmp_path / "verl", tmp_path / "skyrl", "gsm8k", ["train"])
