@@ -208,7 +208,6 @@ class OptimizerConfig(BaseModel):
         return self.warmup_steps_proportion if self.warmup_steps_proportion is not None else (self.warmup_ratio or 0.0)
 
 
-
 class MicroBatchSpec(BaseModel):
     """How a fwd_bwd batch is split: each micro-batch holds at most ``max_tokens_per_mb`` tokens."""
 

@@ -195,7 +195,9 @@ class Demo:
 
             bar = tqdm(total=self.config.steps, desc="GRPO", unit="step")
             say = bar.write
-        say(f"after SFT warm-up: held-out reward {result.first_eval:.2f} ({self.config.eval_prompts} prompts x 4 samples)")
+        say(
+            f"after SFT warm-up: held-out reward {result.first_eval:.2f} ({self.config.eval_prompts} prompts x 4 samples)"
+        )
         for step in range(1, self.config.steps + 1):
             step_started = time.perf_counter()
             log = await self.grpo_step()

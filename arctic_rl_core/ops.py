@@ -91,9 +91,15 @@ class Batch(_Request):
         shape = tuple(input_ids.shape)
         for name, tensor in self.kwargs.items():
             if tuple(tensor.shape) != shape:
-                raise ValueError(f"batch.kwargs.{name}: expected shape {list(shape)} like input_ids, got {list(tensor.shape)}")
+                raise ValueError(
+                    f"batch.kwargs.{name}: expected shape {list(shape)} like input_ids, got {list(tensor.shape)}"
+                )
         for name, tensor in self.context.items():
-            if tensor.dim() == 0 or tensor.shape[0] != shape[0] or (tensor.dim() > 1 and tuple(tensor.shape[:2]) != shape):
+            if (
+                tensor.dim() == 0
+                or tensor.shape[0] != shape[0]
+                or (tensor.dim() > 1 and tuple(tensor.shape[:2]) != shape)
+            ):
                 raise ValueError(
                     f"batch.context.{name}: expected [B] or [B, T] = {list(shape)} like input_ids, got {list(tensor.shape)}"
                 )
@@ -168,7 +174,9 @@ class LogProbsRequest(_Request):
     @model_validator(mode="after")
     def _paired(self) -> "LogProbsRequest":
         if self.completions is not None and len(self.completions) != len(self.prompts):
-            raise ValueError(f"completions: expected {len(self.prompts)} entries (one per prompt), got {len(self.completions)}")
+            raise ValueError(
+                f"completions: expected {len(self.prompts)} entries (one per prompt), got {len(self.completions)}"
+            )
         return self
 
 
@@ -213,7 +221,9 @@ class LogProbJobRequest(_Request):
 
 
 class InitializeRequest(_Request):
-    config: ArcticRLClientConfig = Field(..., description="The client's config; job ids and client-only fields are ignored.")
+    config: ArcticRLClientConfig = Field(
+        ..., description="The client's config; job ids and client-only fields are ignored."
+    )
 
 
 class JobRequest(_Request):

@@ -101,7 +101,10 @@ def main() -> None:
     parser.add_argument("--iterations", type=int, default=300)
     parser.add_argument("--megabytes", type=int, default=64)
     args = parser.parse_args()
-    results = {"http": http_results(args.iterations, args.megabytes), "ray": ray_results(args.iterations, args.megabytes)}
+    results = {
+        "http": http_results(args.iterations, args.megabytes),
+        "ray": ray_results(args.iterations, args.megabytes),
+    }
     copy = memcpy_gbps(args.megabytes)
     print(f"{'protocol':<8} {'small op p50':>13} {'p99':>9} {f'{args.megabytes} MB round trip':>20}")
     for name, r in results.items():

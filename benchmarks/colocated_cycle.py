@@ -26,9 +26,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 SHAPES = {
-    "tiny": dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1),
-    "qwen2-0.5b": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2),
-    "qwen2-1.5b": dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2),
+    "tiny": dict(
+        hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1
+    ),
+    "qwen2-0.5b": dict(
+        hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2
+    ),
+    "qwen2-1.5b": dict(
+        hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2
+    ),
 }
 
 
@@ -98,7 +104,12 @@ async def cycles(client, args, tokenizer) -> dict:
     trained = await client.fwd_no_grad(rollouts, reference_model=False)
     mask = rollouts["context"]["response_mask"][:, 1:].bool()
     diff = (trained["log_probs_shifted"][:, :-1][mask] - sampled[:, 1:][mask]).abs()
-    return {"memory": memory, "norm_rel_diffs": norms, "logprob_mean_abs": float(diff.mean()), "logprob_max_abs": float(diff.max())}
+    return {
+        "memory": memory,
+        "norm_rel_diffs": norms,
+        "logprob_mean_abs": float(diff.mean()),
+        "logprob_max_abs": float(diff.max()),
+    }
 
 
 def to_batch(results: list[dict], tokenizer) -> tuple[dict, torch.Tensor]:
@@ -116,7 +127,11 @@ def to_batch(results: list[dict], tokenizer) -> tuple[dict, torch.Tensor]:
         sampled[i, len(p) : len(p) + len(c)] = torch.tensor(lps)
     lengths = response.sum(1).float()
     advantages = (lengths - lengths.mean()) / (lengths.std() + 1e-6)
-    batch = {"args": [ids], "kwargs": {"attention_mask": attention}, "context": {"response_mask": response, "advantages": advantages}}
+    batch = {
+        "args": [ids],
+        "kwargs": {"attention_mask": attention},
+        "context": {"response_mask": response, "advantages": advantages},
+    }
     return batch, sampled
 
 
@@ -162,7 +177,9 @@ def main() -> None:
     growth = max(result["memory"][-1][k] - steady[k] for k in steady)
     print(f"memory growth from cycle 2 to the last: {growth:+.3f} GiB (max over phases)")
     print(f"weight_norm relative difference after sync: max {max(result['norm_rel_diffs']):.2e}")
-    print(f"sampler vs training log-probs on the same tokens: mean {result['logprob_mean_abs']:.3e}, max {result['logprob_max_abs']:.3e}")
+    print(
+        f"sampler vs training log-probs on the same tokens: mean {result['logprob_mean_abs']:.3e}, max {result['logprob_max_abs']:.3e}"
+    )
 
 
 if __name__ == "__main__":

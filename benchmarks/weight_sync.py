@@ -25,6 +25,7 @@ over gloo.
 from __future__ import annotations
 
 import argparse
+import functools
 import socket
 import statistics
 import tempfile
@@ -186,24 +187,35 @@ def colocated_rows(name: str, shape: Qwen2Shape, args, device: torch.device) -> 
     try:
         source = torch.empty(total, dtype=torch.uint8, device=device)
         target = torch.empty_like(source)
-        copy = median_seconds(lambda: target.copy_(source), args.repeats, device)
-        del source, target
+        copy = median_seconds(functools.partial(target.copy_, source), args.repeats, device)
+        del source, target  # free the baseline's buffers before the sync paths allocate theirs
         label = "d2d copy" if device.type == "cuda" else "memcpy"
         rows.append(Row(name, f"{label} (baseline)", copy, total, None))
 
         if device.type == "cuda":
+
             def ipc(size: int, low_memory: bool):
                 def run() -> None:
                     ctrl.send(("ipc",))
                     send_over_connection(data, weights.items(), bucket_size=size, low_memory=low_memory)
+
                 return run
 
-            rows.append(Row(name, f"ipc, {args.bucket_mb} MB buckets", median_seconds(
-                ipc(bucket_size, False), args.repeats, device), total, copy))
-            rows.append(Row(name, "ipc low-memory", median_seconds(
-                ipc(bucket_size, True), args.repeats, device), total, copy))
-            rows.append(Row(name, "ipc per-parameter handles", median_seconds(
-                ipc(1, False), args.repeats, device), total, copy))
+            rows.append(
+                Row(
+                    name,
+                    f"ipc, {args.bucket_mb} MB buckets",
+                    median_seconds(ipc(bucket_size, False), args.repeats, device),
+                    total,
+                    copy,
+                )
+            )
+            rows.append(
+                Row(name, "ipc low-memory", median_seconds(ipc(bucket_size, True), args.repeats, device), total, copy)
+            )
+            rows.append(
+                Row(name, "ipc per-parameter handles", median_seconds(ipc(1, False), args.repeats, device), total, copy)
+            )
 
         with tempfile.TemporaryDirectory(dir=args.file_dir) as scratch:
             directory = Path(scratch) / "weights"
@@ -213,8 +225,15 @@ def colocated_rows(name: str, shape: Qwen2Shape, args, device: torch.device) -> 
                 ctrl.send(("file", str(directory)))
                 ctrl.recv()
 
-            rows.append(Row(name, f"file ({args.file_dir or tempfile.gettempdir()})", median_seconds(
-                file_sync, max(1, args.repeats // 2), device), total, copy))
+            rows.append(
+                Row(
+                    name,
+                    f"file ({args.file_dir or tempfile.gettempdir()})",
+                    median_seconds(file_sync, max(1, args.repeats // 2), device),
+                    total,
+                    copy,
+                )
+            )
     finally:
         ctrl.send(("stop",))
         receiver.join(timeout=60)
@@ -330,8 +349,10 @@ def main() -> None:
     rows: list[Row] = []
     for name in names:
         shape = SHAPES[name]
-        print(f"{name}: {len(shape.parameters())} tensors, "
-              f"{sum(torch.Size(d).numel() for _, d in shape.parameters()) * DTYPE.itemsize / 1e9:.2f} GB")
+        print(
+            f"{name}: {len(shape.parameters())} tensors, "
+            f"{sum(torch.Size(d).numel() for _, d in shape.parameters()) * DTYPE.itemsize / 1e9:.2f} GB"
+        )
         if not cuda or not args.split:
             rows += colocated_rows(name, shape, args, device)
         if not cuda or args.split:

@@ -203,8 +203,10 @@ def run_case(model, case: Case, device, warmup: int, iters: int, profile: bool, 
     plan_start = time.perf_counter()
     stats = zorro_train.build_prefix_forest(*batch[:3]).stats
     plan_ms = (time.perf_counter() - plan_start) * 1e3
-    print(f"\n== {case.name}: {stats.tokens_real} tokens in the batch, {stats.tokens_packed} packed "
-          f"(token bound {stats.tokens_real / stats.tokens_packed:.2f}x), forest planning {plan_ms:.1f} ms")
+    print(
+        f"\n== {case.name}: {stats.tokens_real} tokens in the batch, {stats.tokens_packed} packed "
+        f"(token bound {stats.tokens_real / stats.tokens_packed:.2f}x), forest planning {plan_ms:.1f} ms"
+    )
 
     set_checkpointing(model, case.checkpointing)
     plain_s, plain_mem = measure(model, plain_selected_hidden_states, batch, device, warmup, iters)
@@ -212,8 +214,10 @@ def run_case(model, case: Case, device, warmup: int, iters: int, profile: bool, 
     plain_grads = flat_grads(model)
     step(model, plain_selected_hidden_states, batch, row_splits=2)
     noise = rel_diff(flat_grads(model), plain_grads)
-    plain_label = f"plain, padded batch ({model.config._attn_implementation.removeprefix('zorro_')}), " \
+    plain_label = (
+        f"plain, padded batch ({model.config._attn_implementation.removeprefix('zorro_')}), "
         f"checkpointing {on_off(case.checkpointing)}"
+    )
     print(f"   {plain_label:<58}: {plain_s * 1e3:8.1f} ms  {memory(plain_mem)}")
     if profile:
         print_profile("plain", kernel_profile(model, plain_selected_hidden_states, batch))
@@ -236,9 +240,12 @@ def run_case(model, case: Case, device, warmup: int, iters: int, profile: bool, 
                 f" (target <= {case.memory_target}x)" if targets and case.memory_target else ""
             )
         print(line)
-        print(f"      gradient rel. diff vs plain: {diff:.2e} (bf16 noise yardstick, plain 2 micro-batches vs 1: "
-              f"{noise:.2e})" if device.type == "cuda" else f"      gradient rel. diff vs plain: {diff:.2e} "
-              f"(plain 2 micro-batches vs 1: {noise:.2e})")
+        print(
+            f"      gradient rel. diff vs plain: {diff:.2e} (bf16 noise yardstick, plain 2 micro-batches vs 1: "
+            f"{noise:.2e})"
+            if device.type == "cuda"
+            else f"      gradient rel. diff vs plain: {diff:.2e} (plain 2 micro-batches vs 1: {noise:.2e})"
+        )
         if profile:
             print_profile("zorro", kernel_profile(model, zorro, batch))
     model.zero_grad(set_to_none=True)

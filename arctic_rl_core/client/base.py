@@ -174,7 +174,9 @@ def _op_method(op: Op):
         field = op.request.model_fields[name]
         default = inspect.Parameter.empty if field.is_required() else field.get_default(call_default_factory=True)
         parameters.append(
-            inspect.Parameter(name, inspect.Parameter.POSITIONAL_OR_KEYWORD, default=default, annotation=field.annotation)
+            inspect.Parameter(
+                name, inspect.Parameter.POSITIONAL_OR_KEYWORD, default=default, annotation=field.annotation
+            )
         )
     signature = inspect.Signature(parameters)
 

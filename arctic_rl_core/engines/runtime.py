@@ -10,11 +10,13 @@ import torch
 
 # DeepSpeed JIT-builds its C++ ops (the CPU shm all-reduce among them) on first use: keep one known cache,
 # per Python version (an op built for 3.12 does not load in 3.11).
-DEFAULT_EXTENSIONS_DIR = Path.home() / ".cache" / "arctic-rl" / f"torch_extensions_py{sys.version_info[0]}{sys.version_info[1]}"
+DEFAULT_EXTENSIONS_DIR = (
+    Path.home() / ".cache" / "arctic-rl" / f"torch_extensions_py{sys.version_info[0]}{sys.version_info[1]}"
+)
 
 
 def resolve_device(requested: str) -> str:
-    """"auto" -> "cuda" when CUDA is available, else "cpu"; "cuda" without CUDA is an error."""
+    """ "auto" -> "cuda" when CUDA is available, else "cpu"; "cuda" without CUDA is an error."""
     if requested == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
     if requested == "cuda" and not torch.cuda.is_available():

@@ -97,7 +97,9 @@ def token_outputs(
         values = torch.cat([t.values for t in top_rows])
         indices = torch.cat([t.indices for t in top_rows])
         out.top_logprobs = torch.zeros(grid, device=values.device).masked_scatter(select[..., None], values)
-        out.top_ids = torch.zeros(grid, dtype=torch.long, device=values.device).masked_scatter(select[..., None], indices)
+        out.top_ids = torch.zeros(grid, dtype=torch.long, device=values.device).masked_scatter(
+            select[..., None], indices
+        )
     return out
 
 

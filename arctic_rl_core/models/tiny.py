@@ -78,9 +78,13 @@ def _corpus(seed: int, lines: int = 4000) -> list[str]:
             op = rng.choice("+-*")
             out.append(f"What is {a} {op} {b}? The answer is {eval(f'{a}{op}{b}')}. #### {a}")
         elif kind == 2:
-            out.append(f"SELECT name, COUNT(*) FROM t{rng.randint(0, 9)} WHERE id > {rng.randint(0, 99)} GROUP BY name;")
+            out.append(
+                f"SELECT name, COUNT(*) FROM t{rng.randint(0, 9)} WHERE id > {rng.randint(0, 99)} GROUP BY name;"
+            )
         else:
-            out.append(f"<|im_start|>user\n{rng.choice(_WORDS)} {rng.choice(_WORDS)}?<|im_end|>\n<|im_start|>assistant\n")
+            out.append(
+                f"<|im_start|>user\n{rng.choice(_WORDS)} {rng.choice(_WORDS)}?<|im_end|>\n<|im_start|>assistant\n"
+            )
     return out
 
 

@@ -105,7 +105,10 @@ def _add_route(app: FastAPI, manager: JobManager, op: Op, max_body_bytes: int) -
         schema = {"$ref": f"#/components/schemas/{op.request.__name__}"}
         extra["requestBody"] = {
             "required": True,
-            "content": {"application/json": {"schema": schema}, wire.CONTENT_TYPE: {"schema": {"type": "string", "format": "binary"}}},
+            "content": {
+                "application/json": {"schema": schema},
+                wire.CONTENT_TYPE: {"schema": {"type": "string", "format": "binary"}},
+            },
         }
     app.add_api_route(op.path, handle, methods=[op.http_method], summary=op.doc, name=op.name, openapi_extra=extra)
 
@@ -171,9 +174,7 @@ def _respond(request: Request, result: Any) -> Response:
         chunks = wire.encode_chunks({"result": result})
         length = sum(memoryview(c).nbytes for c in chunks)
         # Streamed from the result tensors' memory: no copy of the payload on the way out.
-        return StreamingResponse(
-            _aiter(chunks), media_type=wire.CONTENT_TYPE, headers={"content-length": str(length)}
-        )
+        return StreamingResponse(_aiter(chunks), media_type=wire.CONTENT_TYPE, headers={"content-length": str(length)})
     return _JSONResponse({"result": wire.to_jsonable(result)})
 
 

@@ -189,9 +189,13 @@ class JobManager:
 
     def _build(self, kind: JobKind, job_id: int, slots, threads, config: ArcticRLClientConfig, device: str) -> Job:
         if kind is JobKind.SAMPLING:
-            return SamplingJob(job_id, slots, threads, config.model_name, config.sampling_engine, sampling_options(config, device))
+            return SamplingJob(
+                job_id, slots, threads, config.model_name, config.sampling_engine, sampling_options(config, device)
+            )
         if kind is JobKind.TRAINING:
-            training = TrainingConfig.model_validate({**(config.ds_worker_config or {}), **(config.training_config or {})})
+            training = TrainingConfig.model_validate(
+                {**(config.ds_worker_config or {}), **(config.training_config or {})}
+            )
             spec = WorkerSpec(
                 model_name=config.model_name,
                 device=device,
@@ -253,4 +257,3 @@ def sampling_options(config: ArcticRLClientConfig, device: str) -> SamplingEngin
         return SamplingEngineOptions(device=device, seed=config.seed, use_fca=bool(use_fca), extra=vllm, **known)
     except ValueError as exc:
         raise BadRequest(f"vllm_config: {exc}") from None
-

@@ -24,7 +24,9 @@ def cuda_device_count() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
-def connect(auto_attach: bool, namespace: str = DEFAULT_NAMESPACE, cpu_gpus: int = 8, log_to_driver: bool = True) -> str:
+def connect(
+    auto_attach: bool, namespace: str = DEFAULT_NAMESPACE, cpu_gpus: int = 8, log_to_driver: bool = True
+) -> str:
     """Make sure Ray is initialized; return the cluster's device kind, "cuda" or "cpu".
 
     ``auto_attach`` joins a running cluster only when it offers GPU resources

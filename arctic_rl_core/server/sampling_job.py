@@ -100,7 +100,9 @@ class SamplingJob(Job):
 
     def _assign(self, count: int) -> list[tuple[int, int, int]]:
         """(replica, start, stop) chunks: an even split, least-loaded replicas first."""
-        replicas = sorted(range(len(self.workers)), key=lambda r: self._in_flight[r])[: max(1, min(count, len(self.workers)))]
+        replicas = sorted(range(len(self.workers)), key=lambda r: self._in_flight[r])[
+            : max(1, min(count, len(self.workers)))
+        ]
         size, extra = divmod(count, len(replicas))
         chunks, start = [], 0
         for i, replica in enumerate(replicas):

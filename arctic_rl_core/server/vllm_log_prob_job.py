@@ -45,7 +45,9 @@ class VLLMLogProbJob(Job):
         ranges = [(a, b) for a, b in self._ranges(len(prompts)) if b > a]
         parts = await self.gather(
             [
-                self.workers[i].log_probs.remote(prompts[a:b], completions[a:b] if completions is not None else None, top_k)
+                self.workers[i].log_probs.remote(
+                    prompts[a:b], completions[a:b] if completions is not None else None, top_k
+                )
                 for i, (a, b) in enumerate(ranges)
             ]
         )
@@ -53,7 +55,9 @@ class VLLMLogProbJob(Job):
 
     async def fwd_no_grad(self, batch: Batch, processing: Processing | None, return_entropy: bool, **_) -> dict:
         if return_entropy:
-            raise BadRequest("return_entropy: the vLLM log-prob engine computes no entropy; use log_prob_engine='deepspeed'")
+            raise BadRequest(
+                "return_entropy: the vLLM log-prob engine computes no entropy; use log_prob_engine='deepspeed'"
+            )
         if processing is not None and processing.post:
             raise BadRequest("processing.post: the vLLM log-prob engine applies no post-processors; use 'deepspeed'")
         rows = RowBatch(batch.input_ids.long(), batch.attention_mask)

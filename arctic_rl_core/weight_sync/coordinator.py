@@ -219,9 +219,7 @@ class WeightSyncCoordinator:
         if len(incoming) != len(named):
             return "weights have duplicate names"
         reference = {name: (dtype, shape) for name, dtype, shape in manifest.entries}
-        report = mismatch_report(
-            {n: s for n, (_, s) in incoming.items()}, {n: s for n, (_, s) in reference.items()}
-        )
+        report = mismatch_report({n: s for n, (_, s) in incoming.items()}, {n: s for n, (_, s) in reference.items()})
         if report:
             return f"its weights differ from training rank 0's: {report}"
         dtypes = [f"{n} {d} (rank 0: {reference[n][0]})" for n, (d, _) in incoming.items() if d != reference[n][0]]

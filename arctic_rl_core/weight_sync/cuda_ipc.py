@@ -103,9 +103,7 @@ class CudaIpcSender:
             raise IndexError(f"bucket index must be in [0, {len(self.layouts)}), got {index}")
         layout = self.layouts[index]
         with torch.cuda.device(self.device):
-            data = pack_bucket(
-                layout, [self._tensors[n] for n in layout.names], empty_bucket(layout, self.device)
-            )
+            data = pack_bucket(layout, [self._tensors[n] for n in layout.names], empty_bucket(layout, self.device))
             # reduce_tensor records an event on the current stream; the receiver waits on it before reading.
             rebuild, args = reduce_tensor(data)
         self._live[index] = data

@@ -41,9 +41,7 @@ def from_shifted(shifted: torch.Tensor, response_length: int) -> torch.Tensor:
     return shifted[:, response_columns(shifted.shape[1], response_length)]
 
 
-def model_batch(
-    data: TrainingInputBatch, context: dict[str, torch.Tensor], horizon: Optional[int] = None
-) -> dict:
+def model_batch(data: TrainingInputBatch, context: dict[str, torch.Tensor], horizon: Optional[int] = None) -> dict:
     """arctic's ``batch`` for ``data``'s sequences; ``horizon`` right-pads them with masked columns to that width.
 
     Padding only changes T, which ``seq-mean-token-sum-norm`` divides by; the

@@ -83,7 +83,9 @@ class ArcticRLExp(BasePPOExp):
             colocated=where.colocate,
         )
 
-    def get_trainer(self, cfg, tracker, tokenizer, train_dataset, eval_dataset, inference_engine_client, generator, colocate_pg):
+    def get_trainer(
+        self, cfg, tracker, tokenizer, train_dataset, eval_dataset, inference_engine_client, generator, colocate_pg
+    ):
         return ArcticPPOTrainer(
             cfg=cfg,
             tracker=tracker,

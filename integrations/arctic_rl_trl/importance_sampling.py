@@ -58,7 +58,6 @@ class ImportanceSamplingCorrection:
         high = self.clip_max if self.clip_max is not None else math.inf
         return ratio.masked_fill((ratio < low) | (ratio > high), 0.0)
 
-
     def metrics(
         self, ratio: torch.Tensor, trainer_logps: torch.Tensor, sampler_logps: torch.Tensor, mask: torch.Tensor
     ) -> dict[str, float]:

@@ -92,4 +92,3 @@ class ArcticSampler:
     def _generate(self, prompts: list[list[int]], n: int, seed: int | None) -> list[dict]:
         params = self.settings.params(n, seed)
         return self.loop.run(self.client.generate(prompt_token_ids=prompts, sampling_params=params))
-

@@ -322,7 +322,6 @@ def resolve_device(requested: str) -> str:
     if requested != "auto":
         raise UnsupportedVerlSetting(f"{ARCTIC}.device", requested, '"auto", "cuda" or "cpu"')
     from arctic_rl_core.server.ray_cluster import cluster_device
-
     from arctic_rl_verl.cpu_platform import cpu_only_torch
 
     return "cpu" if cpu_only_torch() else cluster_device()

@@ -30,10 +30,10 @@ def register() -> None:
     if cpu_platform_active():
         install_gloo_process_group()
 
-    import arctic_rl_verl.engine  # noqa: F401 - registers the engine with EngineRegistry
     from verl.workers.rollout import base
     from verl.workers.rollout.replica import RolloutReplicaRegistry
 
+    import arctic_rl_verl.engine  # noqa: F401 - registers the engine with EngineRegistry
     from arctic_rl_verl.rollout import ROLLOUT_NAME
 
     RolloutReplicaRegistry.register(ROLLOUT_NAME, _load_replica)

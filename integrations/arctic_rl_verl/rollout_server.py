@@ -22,7 +22,6 @@ from arctic_rl_core import create_arctic_rl_client
 from arctic_rl_verl.rollout import server_name
 from arctic_rl_verl.session import RolloutHandoff, handoff_of
 
-
 # verl's sampling keys that map one to one onto arctic-rl's SamplingParams.
 _SAME_KEYS = ("temperature", "top_p", "top_k", "ignore_eos", "seed", "min_tokens", "stop", "stop_token_ids")
 

@@ -65,7 +65,9 @@ def test_log_probs_of_the_log_prob_engine_match_training_fwd_no_grad_on_the_same
 
     async def scenario():
         other = create_arctic_rl_client(
-            remote_config(client, training_gpus=1, log_prob_gpus=1, log_prob_engine="deepspeed", training_config=CPU_TRAINING)
+            remote_config(
+                client, training_gpus=1, log_prob_gpus=1, log_prob_engine="deepspeed", training_config=CPU_TRAINING
+            )
         )
         try:
             scored = (await other.log_probs(["The capital of France is"], ["Paris and more"], top_k=2))[0]
@@ -74,7 +76,13 @@ def test_log_probs_of_the_log_prob_engine_match_training_fwd_no_grad_on_the_same
             batch = sft_batch(rows=3, length=10, seed=7)
             train_batch = await other.fwd_no_grad(batch, reference_model=False)
             ref_batch = await other.fwd_no_grad(batch, reference_model=True)
-            return scored, train["log_probs_shifted"][0], train_batch["log_probs_shifted"], ref_batch["log_probs_shifted"], batch
+            return (
+                scored,
+                train["log_probs_shifted"][0],
+                train_batch["log_probs_shifted"],
+                ref_batch["log_probs_shifted"],
+                batch,
+            )
         finally:
             await other.shutdown()
 
@@ -103,7 +111,9 @@ def test_generate_honours_sampling_params_and_returns_logprobs(client):
         for out in result["outputs"]:
             assert 1 <= len(out["token_ids"]) <= 6 and len(out["logprobs"]) == len(out["token_ids"])
             assert all(lp <= 0 for lp in out["logprobs"]) and out["finish_reason"] in ("stop", "length")
-    again = run(client.generate(["What is 1 + 1?"], {"max_tokens": 6, "temperature": 0.9, "n": 3, "seed": 11, "top_k": 50}))
+    again = run(
+        client.generate(["What is 1 + 1?"], {"max_tokens": 6, "temperature": 0.9, "n": 3, "seed": 11, "top_k": 50})
+    )
     # Same seed: same tokens. Log-probs agree to float noise (the batch and the prefix cache differ).
     for first, second in zip(results[0]["outputs"], again[0]["outputs"]):
         assert first["token_ids"] == second["token_ids"] and first["text"] == second["text"]
@@ -124,9 +134,19 @@ def test_generate_honours_sampling_params_and_returns_logprobs(client):
         (lambda c: c.fwd_bwd(sft_batch(), {"loss_fn": "no_such_loss"}), "no_such_loss"),
         (lambda c: c.fwd_bwd(sft_batch(), {"loss_fn": "os.system"}), "os.system"),
         (lambda c: c.generate(["hi"], {"max_tokens": "many"}), "max_tokens"),
-        (lambda c: c.fwd_bwd({**sft_batch(), "context": {"advantages": torch.ones(3)}}, {"loss_fn": "grpo"}), "advantages"),
+        (
+            lambda c: c.fwd_bwd({**sft_batch(), "context": {"advantages": torch.ones(3)}}, {"loss_fn": "grpo"}),
+            "advantages",
+        ),
     ],
-    ids=["missing-args", "shape-mismatch", "unknown-loss", "dotted-path-outside-allowlist", "wrong-typed-sampling", "bad-context"],
+    ids=[
+        "missing-args",
+        "shape-mismatch",
+        "unknown-loss",
+        "dotted-path-outside-allowlist",
+        "wrong-typed-sampling",
+        "bad-context",
+    ],
 )
 def test_bad_input_raises_value_error_naming_the_problem_and_the_next_call_works(client, call, expected):
     with pytest.raises(ValueError, match=expected):
@@ -142,14 +162,25 @@ def test_http_answers_bad_bodies_with_4xx_naming_the_field(client):
     job = client.training_job_id
     cases = [
         ({"training_job_id": job, "batch": {"kwargs": {}}}, "batch.args"),
-        ({"training_job_id": job, "batch": {"args": [[[1, 2, 3]]], "kwargs": {"attention_mask": [[1, 1]]}}}, "attention_mask"),
-        ({"training_job_id": job, "batch": {"args": [[[1, 2, 3]]]}, "processing": {"loss_fn": "subprocess.call"}}, "subprocess.call"),
+        (
+            {"training_job_id": job, "batch": {"args": [[[1, 2, 3]]], "kwargs": {"attention_mask": [[1, 1]]}}},
+            "attention_mask",
+        ),
+        (
+            {"training_job_id": job, "batch": {"args": [[[1, 2, 3]]]}, "processing": {"loss_fn": "subprocess.call"}},
+            "subprocess.call",
+        ),
     ]
     for body, expected in cases:
         response = httpx.post(f"{base}/fwd-bwd", json=body, headers=headers, timeout=60)
         assert 400 <= response.status_code < 500, response.text
         assert expected in response.json()["detail"]
-    response = httpx.post(f"{base}/generate", json={"sampling_job_id": client.sampling_job_id, "prompts": ["x"], "sampling_params": {"n": "two"}}, headers=headers, timeout=60)
+    response = httpx.post(
+        f"{base}/generate",
+        json={"sampling_job_id": client.sampling_job_id, "prompts": ["x"], "sampling_params": {"n": "two"}},
+        headers=headers,
+        timeout=60,
+    )
     assert response.status_code == 422 and "sampling_params.n" in response.json()["detail"]
     assert httpx.post(f"{base}/step", json={"training_job_id": job}, timeout=10).status_code == 401
     assert httpx.get(f"{base}/health", timeout=10).status_code == 200

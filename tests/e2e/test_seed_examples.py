@@ -38,7 +38,9 @@ def grpo_inputs(model: str):
 
 
 @pytest.mark.parametrize(
-    "comm_protocol, sampling_engine", [("http", "auto"), ("ray", "auto"), ("http", "vllm")], ids=["http", "ray", "http-vllm"]
+    "comm_protocol, sampling_engine",
+    [("http", "auto"), ("ray", "auto"), ("http", "vllm")],
+    ids=["http", "ray", "http-vllm"],
 )
 def test_client_api_examples(comm_protocol, sampling_engine, tiny_model, tmp_path, monkeypatch):
     """On CPU "auto" samples with the native engine; the third run samples with vLLM's CPU build."""
@@ -249,7 +251,10 @@ def test_overview_examples(comm_protocol, tiny_model):
         ids = torch.tensor([prompt + [70 + i, 80 + i, 90 + i] for i in range(4)])
         response_mask = torch.zeros_like(ids)
         response_mask[:, len(prompt) :] = 1
-        batch = {"args": [ids], "context": {"response_mask": response_mask, "advantages": torch.tensor([1.0, -1.0, 0.5, -0.5])}}
+        batch = {
+            "args": [ids],
+            "context": {"response_mask": response_mask, "advantages": torch.tensor([1.0, -1.0, 0.5, -0.5])},
+        }
         out = asyncio.run(client.fwd_bwd(batch, {"loss_fn": "grpo"}))
         assert torch.isfinite(torch.tensor(out["loss"]))
     finally:

@@ -29,7 +29,9 @@ def test_zero3_on_two_ranks_and_two_replicas_keep_weight_norms_equal_for_ten_cyc
                 await split.step()
                 await split.sync_weights()
                 norms = await split.weight_norm()
-                gaps.append(max(abs(n - norms["training_norm"]) for n in norms["sampling_norms"]) / norms["training_norm"])
+                gaps.append(
+                    max(abs(n - norms["training_norm"]) for n in norms["sampling_norms"]) / norms["training_norm"]
+                )
                 losses.append(out["loss"])
             results = await split.generate(["a", "b", "c", "d"], {"max_tokens": 3, "temperature": 0.0})
             status = await split.status()

@@ -100,7 +100,11 @@ def test_grpo_through_the_client_with_zorro_on_equals_off(client):
     batch = grpo_batch(prompt_len=40)
 
     async def one_step(zorro: bool) -> tuple[dict, torch.Tensor]:
-        config = {**SGD, "optimizer": {"name": "sgd", "lr": 0.5, "gradient_clipping": 0.0}, "zorro_train": {"enable": zorro}}
+        config = {
+            **SGD,
+            "optimizer": {"name": "sgd", "lr": 0.5, "gradient_clipping": 0.0},
+            "zorro_train": {"enable": zorro},
+        }
         other = create_arctic_rl_client(remote_config(client, training_gpus=1, training_config=config))
         try:
             out = await other.fwd_bwd(batch, {"loss_fn": "grpo", "config": {"eps_clip": 0.2}})

@@ -30,8 +30,12 @@ def test_after_sync_vllm_log_probs_match_the_training_engine(tiny_model):
             for i, (p, c, _) in enumerate(rows):
                 batch_ids[i, : len(p) + len(c)] = torch.tensor(p + c)
                 mask[i, : len(p) + len(c)] = 1
-            trained = await client.fwd_no_grad({"args": [batch_ids], "kwargs": {"attention_mask": mask}}, reference_model=False)
-            reference = await client.fwd_no_grad({"args": [batch_ids], "kwargs": {"attention_mask": mask}}, reference_model=True)
+            trained = await client.fwd_no_grad(
+                {"args": [batch_ids], "kwargs": {"attention_mask": mask}}, reference_model=False
+            )
+            reference = await client.fwd_no_grad(
+                {"args": [batch_ids], "kwargs": {"attention_mask": mask}}, reference_model=True
+            )
             return norms, rows, trained["log_probs_shifted"], reference["log_probs_shifted"]
         finally:
             await client.shutdown()

@@ -218,4 +218,3 @@ def test_killing_a_peer_raises_within_the_timeout(results, case, survivors):
         kind, step, message = outcome
         assert kind == "WeightSyncError" and step in ("manifest", "validate"), outcome
         assert elapsed < KILL_TIMEOUT_S + 2.0, f"{member} took {elapsed:.1f} s"
-

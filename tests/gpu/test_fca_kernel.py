@@ -103,6 +103,7 @@ def test_graph_replay_follows_the_plan_written_into_static_buffers():
     forest = build_forest(tables, lengths, BS)
     load(plan_decode(forest, lengths, tiles, 264), lengths)
     out = torch.empty_like(q)
+
     def run():
         kernel.paged_attention(q, *caches, block_tables, positions, static, workspace, D**-0.5, tiles, out=out)
 

@@ -39,7 +39,9 @@ def test_unknown_arctic_key_is_rejected_by_name():
 
 
 def test_invalid_arctic_value_names_the_field_and_the_choices():
-    with pytest.raises(ValueError, match=r"trainer\.arctic_rl\.sampler must be one of auto, native, vllm; got 'sglang'"):
+    with pytest.raises(
+        ValueError, match=r"trainer\.arctic_rl\.sampler must be one of auto, native, vllm; got 'sglang'"
+    ):
         parse("trainer.arctic_rl.sampler=sglang")
 
 

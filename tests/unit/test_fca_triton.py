@@ -101,8 +101,11 @@ def check_prefill_kernel_is_causal_after_a_cached_prefix():
 
 CHECKS = {
     # target_items 64: contexts split into 64-position chunks, then merged
-    **{f"cascade_decode[group={g},target={t}]": (check_cascade_decode_kernel_equals_plain_attention, (g, t))
-       for g in (1, 3) for t in (1, 64)},  # fmt: skip
+    **{
+        f"cascade_decode[group={g},target={t}]": (check_cascade_decode_kernel_equals_plain_attention, (g, t))
+        for g in (1, 3)
+        for t in (1, 64)
+    },  # fmt: skip
     "plain_decode_split": (check_plain_decode_kernel_with_split_contexts_equals_reference, ()),
     "prefill_causal": (check_prefill_kernel_is_causal_after_a_cached_prefix, ()),
 }

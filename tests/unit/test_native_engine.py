@@ -69,8 +69,12 @@ def test_top_k_one_and_a_tiny_top_p_both_sample_the_greedy_tokens(models):
     for params in (SamplingParams(top_k=1), SamplingParams(top_p=1e-6)):
         sampled = engine.generate(PROMPTS, params.model_copy(update={"max_tokens": 6, "ignore_eos": True}))
         assert [o[0].token_ids for o in sampled] == [o[0].token_ids for o in greedy]
-        # Log-probs are of the raw logits, not of the filtered distribution (which would give 0).
-        assert [o[0].logprobs for o in sampled] == [o[0].logprobs for o in greedy]
+        # Log-probs are of the raw logits, not of the filtered distribution (which would give 0). The second
+        # call reads the prompts' KV from the prefix cache, so they may differ from the first in the last bit.
+        torch.testing.assert_close(
+            torch.tensor([o[0].logprobs for o in sampled]), torch.tensor([o[0].logprobs for o in greedy]),
+            atol=1e-5, rtol=0,
+        )  # fmt: skip
 
 
 def test_stop_string_ends_the_completion_and_is_trimmed_from_the_text(models):

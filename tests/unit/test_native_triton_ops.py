@@ -17,7 +17,6 @@ import torch
 from arctic_rl_core.engines.sampling.native import ops
 
 
-
 def _kernels():
     return importlib.import_module("arctic_rl_core.engines.sampling.native.triton_ops")
 

@@ -121,9 +121,7 @@ def test_bf16_logprobs_keep_no_float32_copy_of_the_logits_for_backward():
     labels = torch.randint(0, vocab, (rows,))
     one_fp32_copy = rows * vocab * 4
 
-    naive = _bytes_saved_for_backward(
-        lambda: torch.log_softmax(logits.float(), -1).gather(-1, labels[:, None]).sum()
-    )
+    naive = _bytes_saved_for_backward(lambda: torch.log_softmax(logits.float(), -1).gather(-1, labels[:, None]).sum())
     ours = _bytes_saved_for_backward(lambda: compute_logprobs(logits, labels, chunk_rows=8).sum())
     ours_entropy = _bytes_saved_for_backward(lambda: compute_entropy(logits, chunk_rows=8).sum())
     ours_fused = _bytes_saved_for_backward(

@@ -14,13 +14,23 @@ from recipes.gsm8k.reward import compute_score as gsm8k_score
 
 
 def gsm8k_row(question: str, truth: str, index: int = 0) -> dict:
-    return rl_row(data_source="openai/gsm8k", prompt=chat_prompt(question), ability="math", ground_truth=truth,
-                  extra_info={"split": "train", "index": index})
+    return rl_row(
+        data_source="openai/gsm8k",
+        prompt=chat_prompt(question),
+        ability="math",
+        ground_truth=truth,
+        extra_info={"split": "train", "index": index},
+    )
 
 
 def test_row_has_verls_columns_and_rule_reward():
-    row = rl_row(data_source="src", prompt=chat_prompt("q?", system="be brief"), ability="math", ground_truth="4",
-                 extra_info={"index": 0})
+    row = rl_row(
+        data_source="src",
+        prompt=chat_prompt("q?", system="be brief"),
+        ability="math",
+        ground_truth="4",
+        extra_info={"index": 0},
+    )
     assert row == {
         "data_source": "src",
         "prompt": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "q?"}],
@@ -32,8 +42,13 @@ def test_row_has_verls_columns_and_rule_reward():
 
 def test_row_rejects_malformed_messages_and_empty_extra_info():
     with pytest.raises(ValueError, match=r"prompt\[0\]"):
-        rl_row(data_source="s", prompt=[{"role": "robot", "content": "x"}], ability="a", ground_truth="",
-               extra_info={"i": 0})
+        rl_row(
+            data_source="s",
+            prompt=[{"role": "robot", "content": "x"}],
+            ability="a",
+            ground_truth="",
+            extra_info={"i": 0},
+        )
     with pytest.raises(ValueError, match="extra_info"):
         rl_row(data_source="s", prompt=chat_prompt("x"), ability="a", ground_truth="", extra_info={})
 
@@ -114,8 +129,9 @@ def test_verl_reads_every_recipes_parquet_and_its_rows_score_with_the_recipes_re
         "synthetic_sql": (sql_score, lambda truth: f"<sql>{truth}</sql>"),
         "synthetic_long_context": (lcqa_score, lambda truth: f"<answer>{truth[0]}</answer>"),
     }
-    config = OmegaConf.create({"max_prompt_length": 2048, "filter_overlong_prompts_workers": 1,
-                               "cache_dir": str(tmp_path / "cache")})
+    config = OmegaConf.create(
+        {"max_prompt_length": 2048, "filter_overlong_prompts_workers": 1, "cache_dir": str(tmp_path / "cache")}
+    )
     for paths in (gsm8k, sql, lcqa["train"]):
         for file_format in ("parquet", "jsonl"):
             dataset = RLHFDataset(str(paths[file_format]), tokenizer, config)

@@ -18,10 +18,13 @@ def tokenizer():
 
     bpe = Tokenizer(models.BPE())
     bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    corpus = ["The Kariven Institute was established in 1843 and is based in Dorford.",
-              "Marevin Ostrakel was born in Quellbrook and worked as a cartographer."]
-    trainer = trainers.BpeTrainer(vocab_size=300, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-                                  show_progress=False)
+    corpus = [
+        "The Kariven Institute was established in 1843 and is based in Dorford.",
+        "Marevin Ostrakel was born in Quellbrook and worked as a cartographer.",
+    ]
+    trainer = trainers.BpeTrainer(
+        vocab_size=300, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False
+    )
     bpe.train_from_iterator(corpus, trainer)
     return bpe
 
@@ -55,8 +58,12 @@ MUSIQUE = {
     "id": "2hop__13548_13529",
     "paragraphs": [
         {"idx": 0, "title": "Lionel Messi", "paragraph_text": "Messi plays for Inter Miami.", "is_supporting": True},
-        {"idx": 1, "title": "Inter Miami", "paragraph_text": "Inter Miami was founded by David Beckham.",
-         "is_supporting": True},
+        {
+            "idx": 1,
+            "title": "Inter Miami",
+            "paragraph_text": "Inter Miami was founded by David Beckham.",
+            "is_supporting": True,
+        },
         {"idx": 2, "title": "Chess", "paragraph_text": "Chess is a board game.", "is_supporting": False},
     ],
     "question": "Who founded the club Messi plays for?",

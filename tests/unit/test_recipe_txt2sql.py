@@ -57,9 +57,17 @@ def test_drop_table_is_refused_and_the_database_is_unchanged(db):
 
 def test_writes_and_schema_changes_are_refused(db):
     before = digest(db)
-    for statement in ("DELETE FROM t", "INSERT INTO t (name) VALUES ('x')", "UPDATE t SET price = 0",
-                      "CREATE TABLE u (a)", "CREATE TEMP TABLE u (a)", "ALTER TABLE t ADD COLUMN c", "VACUUM",
-                      "PRAGMA query_only = OFF", "BEGIN"):
+    for statement in (
+        "DELETE FROM t",
+        "INSERT INTO t (name) VALUES ('x')",
+        "UPDATE t SET price = 0",
+        "CREATE TABLE u (a)",
+        "CREATE TEMP TABLE u (a)",
+        "ALTER TABLE t ADD COLUMN c",
+        "VACUUM",
+        "PRAGMA query_only = OFF",
+        "BEGIN",
+    ):
         with pytest.raises(SQLRefused):
             execute_readonly(db, statement)
     assert digest(db) == before
@@ -141,8 +149,11 @@ def test_only_a_top_level_order_by_orders_the_result():
 
 
 def test_correct_query_in_tags_earns_full_score_regardless_of_row_order(db):
-    result = score(db, "Let me think. <sql>SELECT name FROM t WHERE price > 1 ORDER BY name</sql>",
-                   "SELECT name FROM t WHERE price > 1.0")
+    result = score(
+        db,
+        "Let me think. <sql>SELECT name FROM t WHERE price > 1 ORDER BY name</sql>",
+        "SELECT name FROM t WHERE price > 1.0",
+    )
     assert result == {"score": 1.0, "acc": 1.0, "format": 1.0, "executable": 1.0, "gold_failed": 0.0}
 
 
@@ -157,7 +168,12 @@ def test_format_reward_needs_the_sql_tags(db):
     assert score(db, "SELECT COUNT(*) FROM t", gold)["score"] == 0.0
     assert score(db, "<sql>SELECT 5</sql>", gold)["score"] == 0.1
     assert score(db, "<sql>SELEC nonsense</sql>", gold) == {
-        "score": 0.1, "acc": 0.0, "format": 1.0, "executable": 0.0, "gold_failed": 0.0}
+        "score": 0.1,
+        "acc": 0.0,
+        "format": 1.0,
+        "executable": 0.0,
+        "gold_failed": 0.0,
+    }
     assert score(db, "<sql>SELECT 5</sql>", gold, format_score=0.0)["score"] == 0.0
 
 
@@ -208,8 +224,12 @@ def test_bird_loader_reads_the_release_layout_and_puts_evidence_in_the_prompt(tm
     split_dir = tmp_path / "train"
     (split_dir / "train_databases" / "shop").mkdir(parents=True)
     (split_dir / "train_databases" / "shop" / "shop.sqlite").write_bytes(db.read_bytes())
-    record = {"db_id": "shop", "question": "Which fruit is cheapest?", "evidence": "cheapest refers to MIN(price)",
-              "SQL": "SELECT name FROM t ORDER BY price LIMIT 1"}
+    record = {
+        "db_id": "shop",
+        "question": "Which fruit is cheapest?",
+        "evidence": "cheapest refers to MIN(price)",
+        "SQL": "SELECT name FROM t ORDER BY price LIMIT 1",
+    }
     (split_dir / "train.json").write_text(json.dumps([record]))
 
     for root in (tmp_path, split_dir):

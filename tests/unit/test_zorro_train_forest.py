@@ -57,9 +57,7 @@ def test_exact_prompt_group_packs_the_prompt_once_with_one_leaf_per_sample():
 
 def test_shared_system_prompt_becomes_the_root_of_different_questions():
     system, q1, q2 = [1, 2, 3], [40, 41], [50]
-    forest = build_prefix_forest(
-        *batch([(system + q1, [9, 9]), (system + q1, [8, 8]), (system + q2, [7, 7, 7])])
-    )
+    forest = build_prefix_forest(*batch([(system + q1, [9, 9]), (system + q1, [8, 8]), (system + q2, [7, 7, 7])]))
     shapes = [(n.parent, n.depth, n.length) for n in forest.nodes]
     assert shapes == [(-1, 0, 3), (0, 3, 2), (1, 5, 1), (1, 5, 1), (0, 3, 3)]
 

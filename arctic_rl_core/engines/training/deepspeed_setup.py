@@ -9,6 +9,7 @@ import torch
 
 from arctic_rl_core.config import OptimizerConfig, TrainingConfig
 
+
 def merge(base: dict, override: dict) -> dict:
     """Recursive dict merge; ``override`` wins."""
     out = copy.deepcopy(base)

@@ -127,9 +127,7 @@ def _emit(t: _Tiles, chunk: np.ndarray, num_queries: int, tiles: TileShape) -> A
 
     # A query served by exactly one item is written directly; otherwise each of its items leaves a partial.
     per_query = np.bincount(t.queries, weights=np.repeat(n_chunks, t.count), minlength=num_queries)
-    direct_tile = (
-        np.maximum.reduceat(per_query[t.queries], t.offset) == 1 if len(t.offset) else np.zeros(0, dtype=bool)
-    )
+    direct_tile = np.maximum.reduceat(per_query[t.queries], t.offset) == 1 if len(t.offset) else np.zeros(0, dtype=bool)
     direct = direct_tile[tile_of]
     rows = np.where(direct, 0, t.count[tile_of])
     row_base = np.cumsum(rows) - rows

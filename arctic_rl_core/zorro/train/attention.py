@@ -227,11 +227,7 @@ def _forest_block_mask(positions: torch.Tensor, subtree_end: torch.Tensor, windo
         every &= highest[:, None] - lowest[None, :] < window
 
         def mask_mod(b, h, q_idx, kv_idx):
-            return (
-                (kv_idx <= q_idx)
-                & (q_idx < subtree_end[kv_idx])
-                & (positions[q_idx] - positions[kv_idx] < window)
-            )
+            return (kv_idx <= q_idx) & (q_idx < subtree_end[kv_idx]) & (positions[q_idx] - positions[kv_idx] < window)
 
     partial = some & ~every
     return BlockMask.from_kv_blocks(

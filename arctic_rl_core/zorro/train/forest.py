@@ -125,9 +125,7 @@ def _validate_values(ids: np.ndarray, mask: np.ndarray, chosen: np.ndarray) -> N
         raise ValueError(f"select marks padding at row {b}, position {t}; it must be a subset of attention_mask")
 
 
-def build_prefix_forest(
-    input_ids: torch.Tensor, attention_mask: torch.Tensor, select: torch.Tensor
-) -> PrefixForest:
+def build_prefix_forest(input_ids: torch.Tensor, attention_mask: torch.Tensor, select: torch.Tensor) -> PrefixForest:
     """Build the prefix forest of a [B, T] batch whose hidden states are wanted where ``select`` is True.
 
     ``attention_mask`` marks real tokens (left, right or any padding); ``select``
@@ -202,9 +200,7 @@ def build_prefix_forest(
     token_ids = np.concatenate([rows[b][lo:hi] for b, lo, hi in segments] or [empty])
     positions = np.concatenate([np.arange(lo, hi) for _, lo, hi in segments] or [empty])
     subtree_end = np.concatenate([np.full(n.length, n.subtree_end) for n in frozen] or [empty])
-    select_index = np.concatenate(
-        [packed_of_row[b][picked[b]] for b in range(len(rows)) if picked[b].size] or [empty]
-    )
+    select_index = np.concatenate([packed_of_row[b][picked[b]] for b in range(len(rows)) if picked[b].size] or [empty])
     stats = ForestStats(
         rows=ids.shape[0],
         tokens_padded=ids.size,

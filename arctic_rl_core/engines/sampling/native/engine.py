@@ -132,8 +132,9 @@ class NativeEngine:
                 continue
             request_id, prompt, params = arg
             seqs = [
-                Sequence(request_id, i, prompt, params, noise_key(self._completion_seed(params, i)),
-                         self.config.block_size)  # fmt: skip
+                Sequence(
+                    request_id, i, prompt, params, noise_key(self._completion_seed(params, i)), self.config.block_size
+                )  # fmt: skip
                 for i in range(params.n)
             ]
             self._requests[request_id] = _Request(request_id, seqs)

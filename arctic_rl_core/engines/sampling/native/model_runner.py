@@ -296,8 +296,9 @@ class ModelRunner:
             is_prefill=False,
             slot_mapping=torch.tensor(slots),
             positions=torch.tensor([n - 1 for n in lengths]),
-            block_tables=torch.tensor([s.block_table + [0] * (width - len(s.block_table)) for s in seqs],
-                                      dtype=torch.int32),  # fmt: skip
+            block_tables=torch.tensor(
+                [s.block_table + [0] * (width - len(s.block_table)) for s in seqs], dtype=torch.int32
+            ),  # fmt: skip
             context_lens=lengths,
             forest=forest,
         )
