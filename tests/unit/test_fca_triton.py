@@ -2,16 +2,11 @@
 
 Covers Forest Cascade decode (1-3 levels, ragged suffixes, KV split into
 chunks), plain decode, and causal prefill after a cached prefix, with GQA.
-Triton picks interpreter or compiler when it is first imported, so the checks
-run in a fresh Python with ``TRITON_INTERPRET=1``; each test reads its result.
+The checks run in a fresh Python with ``TRITON_INTERPRET=1``
+(``tests.triton_interpreter``); each test reads its result.
 """
 
 import importlib
-import json
-import os
-import subprocess
-import sys
-import traceback
 
 import pytest
 import torch
@@ -19,6 +14,7 @@ import torch
 from arctic_rl_core.zorro.attention.forest import PrefixForest, build_forest
 from arctic_rl_core.zorro.attention.plan import TileShape, plan_decode, plan_prefill
 from arctic_rl_core.zorro.attention.reference import paged_decode_attention, paged_prefill_attention
+from tests.triton_interpreter import report, run_interpreted
 
 BS, HKV, D = 4, 2, 16
 SCALE = D**-0.5
@@ -113,10 +109,7 @@ CHECKS = {
 
 @pytest.fixture(scope="module")
 def interpreted():
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    proc = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return run_interpreted(__file__)
 
 
 @pytest.mark.parametrize("name", CHECKS)
@@ -125,11 +118,4 @@ def test_kernel_under_the_interpreter(interpreted, name):
 
 
 if __name__ == "__main__":
-    results = {}
-    for check_name, (check, check_args) in CHECKS.items():
-        try:
-            check(*check_args)
-            results[check_name] = "ok"
-        except Exception:
-            results[check_name] = traceback.format_exc()
-    print(json.dumps(results))
+    report(CHECKS)

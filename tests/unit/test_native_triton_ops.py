@@ -1,20 +1,16 @@
 """The engine's fused Triton kernels, run by Triton's interpreter on CPU, equal their torch twins in ``ops``.
 
-Triton picks interpreter or compiler when it is first imported, so the checks
-run in a fresh Python with ``TRITON_INTERPRET=1``; each test reads its result.
+The checks run in a fresh Python with ``TRITON_INTERPRET=1``
+(``tests.triton_interpreter``); each test reads its result.
 """
 
 import importlib
-import json
-import os
-import subprocess
-import sys
-import traceback
 
 import pytest
 import torch
 
 from arctic_rl_core.engines.sampling.native import ops
+from tests.triton_interpreter import report, run_interpreted
 
 
 def _kernels():
@@ -84,10 +80,7 @@ CHECKS = {
 
 @pytest.fixture(scope="module")
 def interpreted():
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    proc = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return run_interpreted(__file__)
 
 
 @pytest.mark.parametrize("name", CHECKS)
@@ -96,11 +89,4 @@ def test_kernel_under_the_interpreter(interpreted, name):
 
 
 if __name__ == "__main__":
-    results = {}
-    for check_name, (check, check_args) in CHECKS.items():
-        try:
-            check(*check_args)
-            results[check_name] = "ok"
-        except Exception:
-            results[check_name] = traceback.format_exc()
-    print(json.dumps(results))
+    report(CHECKS)
