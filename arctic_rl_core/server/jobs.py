@@ -136,7 +136,11 @@ class Job:
         """Await worker calls; a dead worker fails the job and raises at once, even mid-call."""
         self.ensure_running()
         self.calls += 1
-        results = asyncio.ensure_future(asyncio.gather(*[_await(r) for r in refs]))
+        calls = [asyncio.ensure_future(_await(r)) for r in refs]
+        for call in calls:
+            # gather raises the first rank's error; the others' are expected (they died too), not "never retrieved"
+            call.add_done_callback(_retrieve)
+        results = asyncio.ensure_future(asyncio.gather(*calls))
         failed = asyncio.ensure_future(self._failed.wait())
         done, _ = await asyncio.wait({results, failed}, return_when=asyncio.FIRST_COMPLETED)
         if results in done:
@@ -160,6 +164,11 @@ class Job:
 
 async def _await(ref):
     return await ref
+
+
+def _retrieve(call: asyncio.Future) -> None:
+    if not call.cancelled():
+        call.exception()
 
 
 def _unwrap(exc: RayTaskError) -> BaseException:
