@@ -6,14 +6,25 @@
 
 Weights are random, in bf16, laid out as Qwen2's Hugging Face parameters
 (nothing is downloaded). Every sync lands in a second process that holds the
-sampler's copy of the weights and copies each received tensor into it, so a
-row's time runs from the sender's first byte to the receiver's last copy.
+sampler's copy of the weights (separate tensors, as an inference engine holds
+them) and copies each received tensor into it, so a row's time runs from the
+sender's first byte to the receiver's last copy.
 
-Colocated (one device), in one run per shape:
+Colocated (one device), in one run per shape, the sender's weights laid out
+two ways:
+- ``flat``: views of one flat buffer, as DeepSpeed ZeRO-1/2 keeps its 16-bit
+  parameters; the buffer is shared in place, nothing is packed;
+- ``separate``: one tensor per parameter (ZeRO-0, plain modules); they are
+  packed into flattened buckets of ``--bucket-mb``.
+Rows:
 - baseline: one device-to-device copy of all the weights' bytes;
-- ``ipc``: CUDA IPC over flattened buckets of ``--bucket-mb`` (target: <= 3x the copy);
-- ``ipc low-memory``: the same, one bucket at a time;
-- ``ipc per-parameter``: one IPC handle per tensor, the design buckets replace;
+- ``ipc``: a repeat sync in an IPC session (plan, buffers, handles and the
+  receiver's mappings kept), as a training engine syncs between its sleeps
+  (target: <= 3x the copy);
+- ``low-memory``: the same, one bucket at a time;
+- ``one-shot``: each sync plans, exports, maps and frees its buckets, as the
+  first sync after training wakes does;
+- ``per-parameter handles``: one IPC handle per tensor, the design buckets replace;
 - ``file``: safetensors shards written to ``--file-dir`` and loaded by the receiver.
 
 Split (``--split``): training rank 0 on GPU 0 sends to inference workers on
@@ -40,6 +51,8 @@ import torch.multiprocessing as mp
 from arctic_rl_core.config import WeightSyncConfig
 from arctic_rl_core.weight_sync import (
     AttentionHeads,
+    IpcMappings,
+    IpcSession,
     TrainingRank,
     TransferSchedule,
     WeightSyncCoordinator,
@@ -105,6 +118,16 @@ def random_weights(shape: Qwen2Shape, device: torch.device) -> dict[str, torch.T
     }
 
 
+def flat_weights(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The same values as views of one flat buffer, the way DeepSpeed ZeRO-1/2 holds 16-bit parameters."""
+    buffer = torch.cat([t.flatten() for t in weights.values()])
+    views, offset = {}, 0
+    for name, tensor in weights.items():
+        views[name] = buffer[offset : offset + tensor.numel()].view(tensor.shape)
+        offset += tensor.numel()
+    return views
+
+
 def nbytes(weights: dict[str, torch.Tensor]) -> int:
     return sum(t.nbytes for t in weights.values())
 
@@ -143,7 +166,7 @@ class Row:
     def line(self) -> str:
         ratio = f"{self.seconds / self.baseline:7.2f}x" if self.baseline else "   base"
         gbps = self.nbytes / self.seconds / 1e9
-        return f"{self.shape:<12} {self.method:<34} {self.seconds * 1e3:10.2f} ms {gbps:8.2f} GB/s {ratio}"
+        return f"{self.shape:<12} {self.method:<44} {self.seconds * 1e3:10.2f} ms {gbps:8.2f} GB/s {ratio}"
 
 
 # ----- colocated: a receiver process on the same device
@@ -158,13 +181,16 @@ def receiver_main(ctrl, data, specs: dict, device: str) -> None:
     expected = {n: p.shape for n, p in params.items()}
 
     def load(weights) -> None:
-        for name, tensor in weights:
-            params[name].copy_(tensor)
+        names, tensors = zip(*weights)
+        torch._foreach_copy_([params[n] for n in names], list(tensors))
 
+    mappings = IpcMappings() if device.type == "cuda" else None
     while True:
         command = ctrl.recv()
         if command[0] == "ipc":
-            receive_over_connection(data, load, expected=expected)
+            receive_over_connection(data, load, expected=expected, mappings=mappings)
+        elif command[0] == "forget":
+            ctrl.send(mappings.forget())
         elif command[0] == "file":
             load(read_weights(command[1], expected=expected, device=str(device)))
             synchronize(device)
@@ -193,29 +219,35 @@ def colocated_rows(name: str, shape: Qwen2Shape, args, device: torch.device) -> 
         rows.append(Row(name, f"{label} (baseline)", copy, total, None))
 
         if device.type == "cuda":
+            flat = flat_weights(weights)
 
-            def ipc(size: int, low_memory: bool):
+            def ipc(source: dict, size: int, low_memory: bool, session: IpcSession | None = None):
                 def run() -> None:
                     ctrl.send(("ipc",))
-                    send_over_connection(data, weights.items(), bucket_size=size, low_memory=low_memory)
+                    send_over_connection(data, source.items(), bucket_size=size, low_memory=low_memory, session=session)
 
                 return run
 
-            rows.append(
-                Row(
-                    name,
-                    f"ipc, {args.bucket_mb} MB buckets",
-                    median_seconds(ipc(bucket_size, False), args.repeats, device),
-                    total,
-                    copy,
-                )
-            )
-            rows.append(
-                Row(name, "ipc low-memory", median_seconds(ipc(bucket_size, True), args.repeats, device), total, copy)
-            )
-            rows.append(
-                Row(name, "ipc per-parameter handles", median_seconds(ipc(1, False), args.repeats, device), total, copy)
-            )
+            def in_session(source: dict, low_memory: bool) -> float:
+                session = IpcSession(device)
+                seconds = median_seconds(ipc(source, bucket_size, low_memory, session), args.repeats, device)
+                ctrl.send(("forget",))
+                ctrl.recv()
+                session.close()
+                return seconds
+
+            for layout, source, method in (
+                ("flat", flat, "ipc in place"),
+                ("separate", weights, f"ipc, {args.bucket_mb} MB buckets"),
+            ):
+                for low_memory in (False, True):
+                    label = f"{layout}: {method}" + (", low-memory" if low_memory else "")
+                    rows.append(Row(name, label, in_session(source, low_memory), total, copy))
+                    one_shot = median_seconds(ipc(source, bucket_size, low_memory), args.repeats, device)
+                    rows.append(Row(name, f"{label}, one-shot", one_shot, total, copy))
+            del flat
+            per_parameter = median_seconds(ipc(weights, 1, False), args.repeats, device)
+            rows.append(Row(name, "separate: ipc per-parameter handles", per_parameter, total, copy))
 
         with tempfile.TemporaryDirectory(dir=args.file_dir) as scratch:
             directory = Path(scratch) / "weights"
@@ -357,13 +389,15 @@ def main() -> None:
             rows += colocated_rows(name, shape, args, device)
         if not cuda or args.split:
             rows += split_rows(name, args, device)
-    print(f"\n{'shape':<12} {'method':<34} {'time':>13} {'bandwidth':>13} {'vs base':>8}")
+    print(f"\n{'shape':<12} {'method':<44} {'time':>13} {'bandwidth':>13} {'vs base':>8}")
     for row in rows:
         print(row.line())
-    for row in (r for r in rows if r.method.startswith("ipc,")):
+    for row in (
+        r for r in rows if ": ipc" in r.method and "low-memory" not in r.method and "per-param" not in r.method
+    ):
         ratio = row.seconds / row.baseline
         verdict = "met" if ratio <= IPC_TARGET else "NOT met"
-        print(f"{row.shape}: IPC sync takes {ratio:.2f}x the copy; target <= {IPC_TARGET:.0f}x: {verdict}")
+        print(f"{row.shape} {row.method}: {ratio:.2f}x the copy; target <= {IPC_TARGET:.0f}x: {verdict}")
 
 
 if __name__ == "__main__":

@@ -22,7 +22,7 @@ from arctic_rl_core.engines.batching import RowBatch, contiguous_split
 from arctic_rl_core.engines.training.worker import DeepSpeedWorker, LossCall, WorkerSpec
 from arctic_rl_core.errors import BadRequest
 from arctic_rl_core.ops import Batch, JobKind, Processing
-from arctic_rl_core.server.jobs import Job
+from arctic_rl_core.server.jobs import Job, JobState
 
 logger = logging.getLogger(__name__)
 
@@ -179,6 +179,8 @@ class TrainingJob(DeepSpeedJob):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self._sync_version = 0
+        # (sampling job, low_memory) of the open CUDA-IPC session, whose buffers the sampler keeps mapped.
+        self._ipc_peer: tuple | None = None
 
     async def fwd_bwd(self, batch: Batch, processing: Processing | None) -> dict:
         from arctic_rl_core.processors import loss_mask_from_context, resolve_loss, validate_batch_context
@@ -225,6 +227,7 @@ class TrainingJob(DeepSpeedJob):
         return (await self.call_all("save_checkpoint", directory))[0]
 
     async def sleep_training(self, mode: str) -> dict:
+        await self._end_ipc_session()  # the workers free it as they sleep; the sampler must let go first
         return await self.sleep(mode)
 
     async def wake_training(self) -> dict:
@@ -261,8 +264,15 @@ class TrainingJob(DeepSpeedJob):
         }
 
     async def _sync_ipc(self, sampling, low_memory: bool) -> tuple[list, int]:
-        """Flattened buckets over CUDA IPC; low_memory shares, loads and frees one bucket at a time."""
-        counts = await self.call_all("ipc_open", self.spec.weight_sync_bucket_size)
+        """Flattened buckets over CUDA IPC; low_memory shares and loads one bucket at a time.
+
+        The workers keep an IPC session (plan, buffers, handles) and the sampler its
+        mappings until training sleeps: a later sync while awake maps nothing anew.
+        """
+        if self._ipc_peer not in (None, (sampling, low_memory)):
+            await self._end_ipc_session()
+        self._ipc_peer = (sampling, low_memory)
+        counts = await self.call_all("ipc_open", self.spec.weight_sync_bucket_size, low_memory)
         try:
             if not low_memory:
                 return await sampling.load_ipc(await self.call_all("ipc_share", None)), counts[0]
@@ -273,6 +283,23 @@ class TrainingJob(DeepSpeedJob):
             return loaded, counts[0]
         finally:
             await self.call_all("ipc_release", None)
+
+    async def _end_ipc_session(self) -> None:
+        if self._ipc_peer is None:
+            return
+        sampling, _ = self._ipc_peer
+        self._ipc_peer = None
+        if sampling.state is JobState.RUNNING:
+            await sampling.forget_ipc()
+        await self.call_all("ipc_close")
+
+    async def destroy(self) -> None:
+        if self._ipc_peer is not None and self.state is JobState.RUNNING:
+            try:
+                await self._end_ipc_session()
+            except Exception:  # noqa: BLE001 - destroying anyway; the sampler's mapping dies with our memory
+                logger.warning("%s: could not end the CUDA-IPC session before shutdown", self.name, exc_info=True)
+        await super().destroy()
 
     async def weight_norm(self, sampling=None, log_prob=None) -> dict:
         result = {"training_norm": (await self.call_all("weight_norm"))[0]}

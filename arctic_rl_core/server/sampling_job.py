@@ -145,6 +145,11 @@ class SamplingJob(Job):
             refs = [w.load_ipc.remote(handles_by_rank[r % len(handles_by_rank)]) for r, w in enumerate(self.workers)]
             return await self.gather(refs)
 
+    async def forget_ipc(self) -> list[dict]:
+        """Every replica unmaps the training engine's staging buffers (before training frees them)."""
+        async with self.lock.exclusive():
+            return await self.call_all("forget_ipc")
+
     async def weight_norms(self) -> list[float]:
         async with self.lock.exclusive():
             return await self.call_all("weight_norm")

@@ -1,7 +1,8 @@
 """Weight sync from training to sampling.
 
-- colocated, weights on GPU: CUDA IPC over flattened buckets (``cuda_ipc``),
-  optionally one bucket at a time (``low_memory``);
+- colocated, weights on GPU: CUDA IPC (``cuda_ipc``) of the weights' own flat
+  storages or of flattened buckets, optionally one bucket at a time
+  (``low_memory``), in a session that later syncs reuse;
 - colocated, training offloaded: safetensors files (``file_sync``);
 - split placement: ``WeightSyncCoordinator`` (NCCL on GPU, gloo on CPU), with
   tensor-parallel resharding for the inference replicas.
@@ -13,6 +14,8 @@ from arctic_rl_core.weight_sync.buckets import BucketLayout, TensorSlot, pack_bu
 from arctic_rl_core.weight_sync.coordinator import WeightSyncCoordinator
 from arctic_rl_core.weight_sync.cuda_ipc import (
     CudaIpcSender,
+    IpcMappings,
+    IpcSession,
     SharedBucket,
     check_layouts,
     load_shared_buckets,
@@ -32,6 +35,8 @@ __all__ = [
     "CudaIpcSender",
     "FlatShard",
     "InferenceTarget",
+    "IpcMappings",
+    "IpcSession",
     "SharedBucket",
     "TensorSlot",
     "TrainingRank",

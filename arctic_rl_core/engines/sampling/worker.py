@@ -35,6 +35,7 @@ class SamplingWorker:
         self._lock = threading.Lock()
         self._loop = EngineLoop(self.backend) if hasattr(self.backend, "add_request") else None
         self.weight_version = 0
+        self._ipc_mappings = None
 
     def _on_engine(self, fn):
         """Run ``fn(backend)`` where the backend may be touched: its loop thread, or under the lock."""
@@ -78,16 +79,28 @@ class SamplingWorker:
         return {"replica": self.replica, "weight_version": self.weight_version}
 
     def load_ipc(self, buckets: list) -> dict:
-        """Load weights from CUDA-IPC buckets of the training rank on this GPU (the handles travel by Ray)."""
-        from arctic_rl_core.weight_sync.cuda_ipc import load_shared_buckets
+        """Load weights from CUDA-IPC buckets of the training rank on this GPU (the handles travel by Ray).
+
+        Staged buckets stay mapped for the next sync until ``forget_ipc``.
+        """
+        from arctic_rl_core.weight_sync.cuda_ipc import IpcMappings, load_shared_buckets
+
+        if self._ipc_mappings is None:
+            self._ipc_mappings = IpcMappings()
 
         def load(backend) -> None:
-            load_shared_buckets(buckets, backend.load_weights)
+            load_shared_buckets(buckets, backend.load_weights, mappings=self._ipc_mappings)
             backend.reset_prefix_cache()
 
         self._on_engine(load)
         self.weight_version += 1
         return {"replica": self.replica, "weight_version": self.weight_version, "buckets": len(buckets)}
+
+    def forget_ipc(self) -> dict:
+        """Unmap the training engine's staging buffers, so that it can free them."""
+        # On the engine's thread: a load in flight there reads these mappings.
+        count = self._on_engine(lambda _: self._ipc_mappings.forget()) if self._ipc_mappings is not None else 0
+        return {"replica": self.replica, "unmapped": count}
 
     def load_weights_from_file(self, directory: str) -> dict:
         from arctic_rl_core.weight_sync.file_sync import read_weights

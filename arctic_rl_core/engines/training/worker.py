@@ -62,6 +62,7 @@ class DeepSpeedWorker:
         self.rank, self.world_size, self.spec = rank, world_size, spec
         self.device = configure_process(spec.device, spec.threads)
         self.engine = None
+        self._ipc = self._ipc_session = None
 
     def rendezvous_address(self) -> tuple[str, int]:
         import ray
@@ -352,17 +353,22 @@ class DeepSpeedWorker:
         write_weights(named, directory)
         return {"bytes": sum(t.nbytes for _, t in named), "tensors": len(named)}
 
-    # -- CUDA IPC: the colocated sampler maps our buckets; we keep them alive until it is done.
+    # -- CUDA IPC: the colocated sampler maps our buckets (our flat ZeRO-1/2 parameter buffers themselves,
+    # or packed copies). An IPC session keeps plan, buffers and handles for later syncs until ipc_close,
+    # which sleep calls.
 
-    def ipc_open(self, bucket_size: int) -> int:
+    def ipc_open(self, bucket_size: int, low_memory: bool) -> int:
         """Plan flattened buckets over the (unchanged, on-GPU) parameters; return how many."""
-        from arctic_rl_core.weight_sync.cuda_ipc import CudaIpcSender
+        from arctic_rl_core.weight_sync.cuda_ipc import CudaIpcSender, IpcSession
 
         if self._zero_stage == 3:
             raise ValueError(
                 "sync_weights(cuda_ipc=True) needs whole parameters on each GPU; under ZeRO-3 use cuda_ipc=False"
             )
-        self._ipc = CudaIpcSender(((name, p.data) for name, p in self.model.named_parameters()), bucket_size)
+        if self._ipc_session is None:
+            self._ipc_session = IpcSession(self.device)
+        named = ((name, p.data) for name, p in self.model.named_parameters())
+        self._ipc = CudaIpcSender(named, bucket_size, session=self._ipc_session, low_memory=low_memory)
         return len(self._ipc)
 
     def ipc_share(self, index: int | None) -> list:
@@ -370,11 +376,21 @@ class DeepSpeedWorker:
         return self._ipc.share_all() if index is None else [self._ipc.share(index)]
 
     def ipc_release(self, index: int | None) -> None:
-        if getattr(self, "_ipc", None) is None:
+        if self._ipc is None:
             return
         self._ipc.release(index)
         if index is None:
             self._ipc = None
+
+    def ipc_close(self) -> dict:
+        """End the IPC session and free its buffers (the sampler has forgotten its mappings of them)."""
+        self._ipc = None
+        if self._ipc_session is None:
+            return {"rank": self.rank, "freed_bytes": 0}
+        freed = self._ipc_session.nbytes
+        self._ipc_session.close()
+        self._ipc_session = None
+        return {"rank": self.rank, "freed_bytes": freed}
 
     # ------------------------------------------------------------ memory
 
@@ -383,6 +399,7 @@ class DeepSpeedWorker:
         if self.device.type != "cuda":
             return {"rank": self.rank, "mode": mode, "moved": [], "reason": "device is cpu: nothing to offload"}
         before = device_memory()
+        self.ipc_close()
         moved = self._offload(mode)
         empty_device_cache()
         self._slept = mode
