@@ -167,21 +167,23 @@ KERNEL_KINDS = (
 )
 
 
-def kernel_profile(model, forward, batch) -> dict[str, float]:
-    """CUDA kernel milliseconds of one step, by kind."""
+def kernel_profile(model, forward, batch) -> tuple[dict[str, float], list[tuple[float, str]]]:
+    """CUDA kernel milliseconds of one step, by kind, and every kernel's (ms, name), longest first."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         step(model, forward, batch)
         torch.cuda.synchronize()
     totals = {"attention": 0.0, "matmul": 0.0, "other": 0.0}
+    kernels = []
     for event in prof.key_averages():
         if event.self_device_time_total <= 0:
             continue
         name = event.key.lower()
         kind = next((k for k, marks in KERNEL_KINDS if any(m in name for m in marks)), "other")
         totals[kind] += event.self_device_time_total / 1e3
-    return totals
+        kernels.append((event.self_device_time_total / 1e3, event.key))
+    return totals, sorted(kernels, reverse=True)
 
 
 def set_checkpointing(model, on: bool) -> None:
@@ -195,7 +197,7 @@ def on_off(flag: bool) -> str:
     return "on" if flag else "off"
 
 
-def run_case(model, case: Case, device, warmup: int, iters: int, profile: bool, kernel: str) -> None:
+def run_case(model, case: Case, device, warmup: int, iters: int, profile: bool, kernel: str, top: int) -> None:
     def zorro(*args):
         return zorro_train.selected_hidden_states(*args, kernel=kernel)
 
@@ -220,7 +222,7 @@ def run_case(model, case: Case, device, warmup: int, iters: int, profile: bool, 
     )
     print(f"   {plain_label:<58}: {plain_s * 1e3:8.1f} ms  {memory(plain_mem)}")
     if profile:
-        print_profile("plain", kernel_profile(model, plain_selected_hidden_states, batch))
+        print_profile("plain", *kernel_profile(model, plain_selected_hidden_states, batch), top)
 
     for i, checkpointing in enumerate(case.zorro_checkpointing):
         set_checkpointing(model, checkpointing)
@@ -247,7 +249,7 @@ def run_case(model, case: Case, device, warmup: int, iters: int, profile: bool, 
             else f"      gradient rel. diff vs plain: {diff:.2e} (plain 2 micro-batches vs 1: {noise:.2e})"
         )
         if profile:
-            print_profile("zorro", kernel_profile(model, zorro, batch))
+            print_profile("zorro", *kernel_profile(model, zorro, batch), top)
     model.zero_grad(set_to_none=True)
 
 
@@ -255,9 +257,11 @@ def memory(gb: float | None) -> str:
     return f"peak {gb:6.2f} GB" if gb is not None else "peak n/a (CPU)"
 
 
-def print_profile(side: str, totals: dict[str, float]) -> None:
+def print_profile(side: str, totals: dict[str, float], kernels: list[tuple[float, str]], top: int) -> None:
     parts = ", ".join(f"{k} {v:.1f}" for k, v in totals.items())
     print(f"      CUDA kernel ms in one {side} step: {parts}; total {sum(totals.values()):.1f}")
+    for ms, name in kernels[:top]:
+        print(f"        {ms:8.2f} ms  {name[:110]}")
 
 
 def main() -> None:
@@ -267,6 +271,7 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=3)
     parser.add_argument("--no-profile", action="store_true", help="skip the per-kernel time breakdown (CUDA)")
     parser.add_argument("--kernel", default="auto", choices=("auto", "varlen", "flex", "dense"))
+    parser.add_argument("--top-kernels", type=int, default=0, help="also list the N longest kernels of each step")
     args = parser.parse_args()
 
     device = torch.device("cuda" if torch.cuda.is_available() and not args.tiny else "cpu")
@@ -281,7 +286,9 @@ def main() -> None:
     print(f"{name} on {where}; torch {torch.__version__}")
     for case in TINY_CASES if args.tiny else GPU_CASES:
         profile = device.type == "cuda" and not args.no_profile
-        run_case(model, case, device, args.warmup, args.iters, profile=profile, kernel=args.kernel)
+        run_case(
+            model, case, device, args.warmup, args.iters, profile=profile, kernel=args.kernel, top=args.top_kernels
+        )
 
 
 if __name__ == "__main__":

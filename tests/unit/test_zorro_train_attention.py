@@ -6,6 +6,7 @@ import torch.nn.functional as F
 
 from arctic_rl_core.zorro.train import ForestAttention, VarlenLayout, build_prefix_forest
 from arctic_rl_core.zorro.train.attention import FLEX_BLOCK
+from arctic_rl_core.zorro.train.split_attention import SplitLayout
 
 CPU = torch.device("cpu")
 
@@ -87,9 +88,8 @@ def varlen_reference(q, k, v, layout: VarlenLayout, window):
     return out
 
 
-@pytest.mark.parametrize("window", [None, 7])
-def test_varlen_sequences_over_gathered_ancestors_give_the_dense_forest_attention(window):
-    # A shared system prompt, two questions, three samples each, and a row that ends inside another's history.
+def nested_forest():
+    """A shared system prompt, two questions, three samples each, and a row that ends inside another's history."""
     gen = torch.Generator().manual_seed(0)
     system = torch.randint(3, 1000, (12,), generator=gen).tolist()
     rows = []
@@ -105,7 +105,12 @@ def test_varlen_sequences_over_gathered_ancestors_give_the_dense_forest_attentio
         input_ids[b, : len(prompt) + len(response)] = torch.tensor(prompt + response)
         attention_mask[b, : len(prompt) + len(response)] = 1
         select[b, len(prompt) - 1 : len(prompt) + len(response) - 1] = True
-    forest = build_prefix_forest(input_ids, attention_mask, select)
+    return build_prefix_forest(input_ids, attention_mask, select)
+
+
+@pytest.mark.parametrize("window", [None, 7])
+def test_varlen_sequences_over_gathered_ancestors_give_the_dense_forest_attention(window):
+    forest = nested_forest()
     length = len(forest.token_ids)
     q, k, v = torch.randn(length, 4, 16), torch.randn(length, 2, 16), torch.randn(length, 2, 16)
 
@@ -117,6 +122,35 @@ def test_varlen_sequences_over_gathered_ancestors_give_the_dense_forest_attentio
     assert layout.max_k == int(forest.positions.max()) + 1
 
 
-def test_varlen_kernel_is_refused_off_cuda():
-    with pytest.raises(ValueError, match="varlen kernel .* needs a CUDA device"):
-        ForestAttention(grpo_forest(groups=1, prompt=20, samples=2, response=5), "varlen", CPU)
+def test_split_layout_passes_cover_each_query_once_per_ancestor_level():
+    forest = nested_forest()
+    layout = SplitLayout.of(forest)
+    # system prompt -> questions -> samples: two levels of ancestors; the own pass is every node once.
+    assert len(layout.ancestors) == 2
+    assert torch.equal(layout.own.q_index, torch.arange(len(forest.token_ids)))
+    for p in layout.ancestors:
+        assert len(set(p.q_index.tolist())) == len(p.q_index), "a query appears twice within one pass"
+
+
+@pytest.mark.parametrize("forest", ["grpo", "nested"])
+def test_split_passes_merged_by_lse_give_the_dense_attention_and_its_gradients(forest):
+    forest = grpo_forest(groups=2, prompt=30, samples=3, response=9) if forest == "grpo" else nested_forest()
+    length = len(forest.token_ids)
+    gen = torch.Generator().manual_seed(1)
+    inputs = [torch.randn(1, heads, length, 16, generator=gen, dtype=torch.float64) for heads in (4, 2, 2)]
+    grad_out = torch.randn(1, length, 4, 16, generator=gen, dtype=torch.float64)
+
+    def run(kernel):
+        leaves = [t.clone().requires_grad_() for t in inputs]
+        out = ForestAttention(forest, kernel, CPU)(*leaves, scaling=0.3)
+        return (out, *torch.autograd.grad(out, leaves, grad_out))
+
+    for name, got, want in zip(("out", "dq", "dk", "dv"), run("varlen"), run("dense")):
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10, msg=name)
+
+
+def test_varlen_kernel_with_a_binding_window_is_refused_off_cuda():
+    attention = ForestAttention(grpo_forest(groups=1, prompt=20, samples=2, response=5), "varlen", CPU)
+    q, k = torch.randn(1, 2, attention.token_ids.numel(), 8), torch.randn(1, 1, attention.token_ids.numel(), 8)
+    with pytest.raises(ValueError, match="binding sliding window needs CUDA"):
+        attention(q, k, k, sliding_window=4)

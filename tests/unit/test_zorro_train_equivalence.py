@@ -120,6 +120,14 @@ def test_zorro_rows_and_gradients_equal_the_plain_forward(models, family, case, 
     assert_same_rows_and_grads(models(family), *tensors)
 
 
+@pytest.mark.parametrize("case", ["exact_groups", "shared_system_prompt", "multi_turn"])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_split_varlen_passes_give_the_plain_rows_and_gradients(models, family, case):
+    # The GPU kernel's split into own and ancestor passes, run with its plain-torch ops.
+    tensors = batch(CASES[case](torch.Generator().manual_seed(0)), "left")
+    assert_same_rows_and_grads(models(family), *tensors, kernel="varlen")
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_batch_with_nothing_shared_packs_without_sharing_and_still_matches(models, family):
     tensors = batch(nothing_shared(torch.Generator().manual_seed(0)), "left")

@@ -10,11 +10,13 @@ re-runs the layers during backward, after the packed forward has returned.
 
 Three kernels compute the same pattern (``q`` sees ``k`` iff ``k <= q < subtree_end[k]``,
 within the layer's sliding window if it has one):
-- ``varlen``: FlashAttention-2 varlen (CUDA, fp16/bf16). Each forest node is one
-  sequence whose queries are its own tokens and whose keys are its ancestors'
-  tokens followed by its own, gathered per layer (K/V are small under GQA);
-  causal attention aligned to the bottom right is then exactly the forest's
-  pattern, and only the needed query-key pairs are computed.
+- ``varlen``: FlashAttention-2 varlen (CUDA, fp16/bf16), split into large passes
+  merged by log-sum-exp (``split_attention``): each node's own tokens causally,
+  and per tree level all descendants of a node over its tokens at once. Only the
+  needed query-key pairs are computed, in the kernel's best shapes. A binding
+  sliding window cuts ancestor passes apart; then each node is one sequence over
+  a gathered copy of its ancestors' K/V (``VarlenLayout``). On CPU the split runs
+  in plain torch (exact and slow: for tests).
 - ``flex``: FlexAttention with a block mask built from the forest's block structure,
   so key blocks no query of a block can see (another sample's response) are
   skipped and fully visible blocks (a shared prompt) run without a mask.
@@ -39,6 +41,13 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from arctic_rl_core.models.forward import decoder_body
 from arctic_rl_core.zorro.train.forest import PrefixForest
+from arctic_rl_core.zorro.train.split_attention import (
+    CudnnOps,
+    FlashVarlenOps,
+    ReferenceOps,
+    SplitLayout,
+    split_forest_attention,
+)
 
 Kernel = Literal["varlen", "flex", "dense"]
 KERNELS = ("varlen", "flex", "dense")
@@ -97,15 +106,16 @@ class ForestAttention:
     def __init__(self, forest: PrefixForest, kernel: Kernel, device: torch.device):
         if kernel not in KERNELS:
             raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
-        if kernel == "varlen" and device.type != "cuda":
-            raise ValueError(f"the varlen kernel (FlashAttention) needs a CUDA device, got {device}")
         token_ids, positions, subtree_end = _pad_for_kernel(forest, kernel)
         self.kernel = kernel
         self.token_ids = token_ids.to(device)
         self.positions = positions.to(device)
         self.subtree_end = subtree_end.to(device)
         self.max_position = int(forest.positions.max())
-        self._varlen = VarlenLayout.of(forest).to(device) if kernel == "varlen" else None
+        self._forest = forest
+        self._split = SplitLayout.of(forest).to(device) if kernel == "varlen" else None
+        self._split_ops = FlashVarlenOps() if device.type == "cuda" else ReferenceOps()
+        self._varlen: VarlenLayout | None = None  # built when a sliding window needs it
         self._masks: dict[int | None, torch.Tensor | BlockMask] = {}
 
     @property
@@ -145,7 +155,12 @@ class ForestAttention:
         if softcap is not None or s_aux is not None:
             raise ValueError("ZoRRo Train supports neither attention logit soft-capping nor attention sinks")
         if self.kernel == "varlen":
-            return self._varlen_attention(query, key, value, scaling, self._binding(sliding_window))
+            window = self._binding(sliding_window)
+            if window is None:
+                q, k, v = (t[0].transpose(0, 1).contiguous() for t in (query, key, value))
+                ancestors = self._ancestor_ops(q)
+                return split_forest_attention(q, k, v, self._split, scaling, self._split_ops, ancestors)[None]
+            return self._varlen_attention(query, key, value, scaling, window)
         mask = self.mask_for(sliding_window)
         gqa = query.shape[1] != key.shape[1]
         if self.kernel == "flex":
@@ -155,7 +170,17 @@ class ForestAttention:
             out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scaling, enable_gqa=gqa)
         return out.transpose(1, 2).contiguous()
 
+    def _ancestor_ops(self, q: torch.Tensor):
+        few_long = all(len(p.bounds) <= CudnnOps.MAX_SEQUENCES for p in self._split.ancestors)
+        if few_long and CudnnOps.available(q.device, q.dtype, q.shape[-1]):
+            return CudnnOps()
+        return self._split_ops
+
     def _varlen_attention(self, query, key, value, scaling, window):
+        if not query.is_cuda:
+            raise ValueError("the varlen kernel with a binding sliding window needs CUDA (FlashAttention)")
+        if self._varlen is None:
+            self._varlen = VarlenLayout.of(self._forest).to(query.device)
         layout = self._varlen
         q = query[0].transpose(0, 1).contiguous()
         k = key[0].transpose(0, 1).index_select(0, layout.key_index)
