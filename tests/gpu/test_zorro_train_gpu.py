@@ -8,6 +8,7 @@ from arctic_rl_core.models.forward import lm_head
 from arctic_rl_core.models.forward import selected_hidden_states as plain_selected_hidden_states
 from arctic_rl_core.models.tiny import TinySpec, build_tiny_model
 from arctic_rl_core.zorro.train import ForestAttention, build_prefix_forest, selected_hidden_states
+from arctic_rl_core.zorro.train import attention as zorro_attention
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -57,8 +58,12 @@ def test_compiled_flex_forest_matches_the_plain_forward_in_fp32(tmp_path):
         torch.testing.assert_close(grads[name], grad, rtol=1e-4, atol=1e-4 * grad.abs().max().item(), msg=name)
 
 
-@pytest.mark.parametrize("window", [None, 100])
-def test_varlen_flash_kernel_matches_the_dense_forest_attention_and_its_gradients(window):
+@pytest.mark.parametrize(
+    "window, split", [(None, False), (None, True), (100, False)], ids=["gathered", "cudnn-split", "window"]
+)
+def test_varlen_flash_kernel_matches_the_dense_forest_attention_and_its_gradients(window, split, monkeypatch):
+    # Either layout, whatever the batch's size would pick: the gathered ancestors, or the cuDNN split.
+    monkeypatch.setattr(zorro_attention, "SPLIT_MIN_PAIRS", 0 if split else 1 << 62)
     forest = build_prefix_forest(*forest_batch(torch.device("cpu")))
     assert int(forest.positions.max()) > 4 * 100
     cuda = torch.device("cuda")

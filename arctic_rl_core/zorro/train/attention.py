@@ -10,12 +10,16 @@ re-runs the layers during backward, after the packed forward has returned.
 
 Three kernels compute the same pattern (``q`` sees ``k`` iff ``k <= q < subtree_end[k]``,
 within the layer's sliding window if it has one):
-- ``varlen``: FlashAttention-2 varlen (CUDA, fp16/bf16), split into large passes
-  merged by log-sum-exp (``split_attention``): each node's own tokens causally,
-  and per tree level all descendants of a node over its tokens at once. Only the
-  needed query-key pairs are computed, in the kernel's best shapes. A binding
-  sliding window cuts ancestor passes apart; then each node is one sequence over
-  a gathered copy of its ancestors' K/V (``VarlenLayout``). On CPU the split runs
+- ``varlen``: FlashAttention-2 varlen (CUDA, fp16/bf16). Each forest node is one
+  sequence whose queries are its own tokens and whose keys are its ancestors'
+  tokens followed by its own, gathered per layer (``VarlenLayout``; K/V are small
+  under GQA); causal attention aligned to the bottom right is then exactly the
+  forest's pattern. When the ancestor attention is large (GRPO groups with long
+  prompts) and cuDNN's fused attention is there, the forest is split instead
+  (``split_attention``): each node's own tokens causally with FlashAttention, and
+  all descendants of a node over its tokens at once with cuDNN (1.5-1.8x FA2 on
+  such shapes), merged by log-sum-exp. The split costs about 2 ms of host time
+  per layer, which only pays where the GPU work hides it. On CPU the split runs
   in plain torch (exact and slow: for tests).
 - ``flex``: FlexAttention with a block mask built from the forest's block structure,
   so key blocks no query of a block can see (another sample's response) are
@@ -57,6 +61,8 @@ FOREST_ATTENTION_KWARG = "zorro_forest_attention"
 IMPLEMENTATION_PREFIX = "zorro_"
 # Base implementations the dispatcher can stand in front of (HF checks "flash" names specially).
 BASE_IMPLEMENTATIONS = ("sdpa", "flex_attention")
+# Query-key pairs of the largest ancestor sequence from which the cuDNN split beats gathered FlashAttention.
+SPLIT_MIN_PAIRS = 32 << 20
 # FlexAttention's sparse block: packed sequences are padded to a multiple of it.
 FLEX_BLOCK = 128
 
@@ -156,9 +162,9 @@ class ForestAttention:
             raise ValueError("ZoRRo Train supports neither attention logit soft-capping nor attention sinks")
         if self.kernel == "varlen":
             window = self._binding(sliding_window)
-            if window is None:
+            if window is None and (not query.is_cuda or self._split_pays(query)):
                 q, k, v = (t[0].transpose(0, 1).contiguous() for t in (query, key, value))
-                ancestors = self._ancestor_ops(q)
+                ancestors = CudnnOps() if query.is_cuda else self._split_ops
                 return split_forest_attention(q, k, v, self._split, scaling, self._split_ops, ancestors)[None]
             return self._varlen_attention(query, key, value, scaling, window)
         mask = self.mask_for(sliding_window)
@@ -170,11 +176,16 @@ class ForestAttention:
             out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scaling, enable_gqa=gqa)
         return out.transpose(1, 2).contiguous()
 
-    def _ancestor_ops(self, q: torch.Tensor):
-        few_long = all(len(p.bounds) <= CudnnOps.MAX_SEQUENCES for p in self._split.ancestors)
-        if few_long and CudnnOps.available(q.device, q.dtype, q.shape[-1]):
-            return CudnnOps()
-        return self._split_ops
+    def _split_pays(self, query: torch.Tensor) -> bool:
+        """Split onto cuDNN when its ancestor passes are few and large (H200: G=16, P=8K, R=1K gains 8%).
+
+        Small ones (G=8, P=2K) lose: the split's host time then exceeds the GPU time it saves.
+        """
+        passes = self._split.ancestors
+        if not passes or any(len(p.bounds) > CudnnOps.MAX_SEQUENCES for p in passes):
+            return False
+        largest = max((q1 - q0) * (k1 - k0) for p in passes for q0, q1, k0, k1 in p.bounds)
+        return largest >= SPLIT_MIN_PAIRS and CudnnOps.available(query.device, query.dtype, query.shape[-1])
 
     def _varlen_attention(self, query, key, value, scaling, window):
         if not query.is_cuda:
