@@ -146,7 +146,7 @@ class SamplingJob(Job):
             return await self.gather(refs)
 
     async def forget_ipc(self) -> list[dict]:
-        """Every replica unmaps the training engine's staging buffers (before training frees them)."""
+        """Every replica unmaps the buffers of the training engine's IPC session (before training frees them)."""
         async with self.lock.exclusive():
             return await self.call_all("forget_ipc")
 

@@ -264,10 +264,6 @@ class CudaIpcSender:
         return self._plan.layouts
 
     @property
-    def in_place(self) -> bool:
-        return self._plan.in_place
-
-    @property
     def generation(self) -> str | None:
         return self._plan.generation if self.session is not None else None
 
@@ -392,9 +388,6 @@ class IpcMappings:
     def mark_validated(self, generation: str | None) -> None:
         if generation is not None:
             self._validated.add(generation)
-
-    def __len__(self) -> int:
-        return len(self._mapped)
 
     def forget(self) -> int:
         """Unmap every kept buffer so the sender can free it; return how many were mapped."""

@@ -81,7 +81,7 @@ class SamplingWorker:
     def load_ipc(self, buckets: list) -> dict:
         """Load weights from CUDA-IPC buckets of the training rank on this GPU (the handles travel by Ray).
 
-        Staged buckets stay mapped for the next sync until ``forget_ipc``.
+        Buckets of the training engine's IPC session stay mapped for the next sync until ``forget_ipc``.
         """
         from arctic_rl_core.weight_sync.cuda_ipc import IpcMappings, load_shared_buckets
 
@@ -97,7 +97,7 @@ class SamplingWorker:
         return {"replica": self.replica, "weight_version": self.weight_version, "buckets": len(buckets)}
 
     def forget_ipc(self) -> dict:
-        """Unmap the training engine's staging buffers, so that it can free them."""
+        """Unmap the buffers of the training engine's IPC session, so that it can free them."""
         # On the engine's thread: a load in flight there reads these mappings.
         count = self._on_engine(lambda _: self._ipc_mappings.forget()) if self._ipc_mappings is not None else 0
         return {"replica": self.replica, "unmapped": count}

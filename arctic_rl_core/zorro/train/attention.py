@@ -119,9 +119,12 @@ class ForestAttention:
         self.subtree_end = subtree_end.to(device)
         self.max_position = int(forest.positions.max())
         self._forest = forest
-        self._split = SplitLayout.of(forest).to(device) if kernel == "varlen" else None
+        # Both varlen layouts are built on first use: a forward takes one of them, not both.
+        self._varlen: VarlenLayout | None = None
+        self._split_host: SplitLayout | None = None  # decides; its bounds live on the host
+        self._split: SplitLayout | None = None  # on the device, once a call takes the split
         self._split_ops = FlashVarlenOps() if device.type == "cuda" else ReferenceOps()
-        self._varlen: VarlenLayout | None = None  # built when a sliding window needs it
+        self._takes_split: dict[tuple, bool] = {}  # per (device, dtype, head dim): every layer asks
         self._masks: dict[int | None, torch.Tensor | BlockMask] = {}
 
     @property
@@ -162,7 +165,7 @@ class ForestAttention:
             raise ValueError("ZoRRo Train supports neither attention logit soft-capping nor attention sinks")
         if self.kernel == "varlen":
             window = self._binding(sliding_window)
-            if window is None and (not query.is_cuda or self._split_pays(query)):
+            if window is None and self._split_taken(query):
                 q, k, v = (t[0].transpose(0, 1).contiguous() for t in (query, key, value))
                 ancestors = CudnnOps() if query.is_cuda else self._split_ops
                 return split_forest_attention(q, k, v, self._split, scaling, self._split_ops, ancestors)[None]
@@ -176,16 +179,17 @@ class ForestAttention:
             out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scaling, enable_gqa=gqa)
         return out.transpose(1, 2).contiguous()
 
-    def _split_pays(self, query: torch.Tensor) -> bool:
-        """Split onto cuDNN when its ancestor passes are few and large (H200: G=16, P=8K, R=1K gains 8%).
-
-        Small ones (G=8, P=2K) lose: the split's host time then exceeds the GPU time it saves.
-        """
-        passes = self._split.ancestors
-        if not passes or any(len(p.bounds) > CudnnOps.MAX_SEQUENCES for p in passes):
-            return False
-        largest = max((q1 - q0) * (k1 - k0) for p in passes for q0, q1, k0, k1 in p.bounds)
-        return largest >= SPLIT_MIN_PAIRS and CudnnOps.available(query.device, query.dtype, query.shape[-1])
+    def _split_taken(self, query: torch.Tensor) -> bool:
+        """Whether this call takes the split (always on CPU); moves its layout to the device when it does."""
+        key = (query.device, query.dtype, query.shape[-1])
+        if key not in self._takes_split:
+            if self._split_host is None:
+                self._split_host = SplitLayout.of(self._forest)
+            taken = not query.is_cuda or _split_pays(self._split_host.ancestors, query)
+            if taken and self._split is None:
+                self._split = self._split_host.to(query.device)
+            self._takes_split[key] = taken
+        return self._takes_split[key]
 
     def _varlen_attention(self, query, key, value, scaling, window):
         if not query.is_cuda:
@@ -213,6 +217,17 @@ class ForestAttention:
             **window_args,
         )
         return out[None]
+
+
+def _split_pays(ancestors, query: torch.Tensor) -> bool:
+    """Split onto cuDNN when its ancestor passes are few and large (H200: G=16, P=8K, R=1K gains 8%).
+
+    Small ones (G=8, P=2K) lose: the split's host time then exceeds the GPU time it saves.
+    """
+    if not ancestors or any(len(p.bounds) > CudnnOps.MAX_SEQUENCES for p in ancestors):
+        return False
+    largest = max((q1 - q0) * (k1 - k0) for p in ancestors for q0, q1, k0, k1 in p.bounds)
+    return largest >= SPLIT_MIN_PAIRS and CudnnOps.available(query.device, query.dtype, query.shape[-1])
 
 
 def _pad_for_kernel(forest: PrefixForest, kernel: Kernel) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
