@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import json
 import struct
+import threading
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import numpy as np
@@ -48,42 +50,15 @@ def encode_chunks(obj: Any) -> list[bytes | memoryview]:
     Transports write the chunks to the socket one after another, so a large
     tensor is never copied on the sending side.
     """
-    buffers: list[memoryview] = []
+    tensors: list[torch.Tensor] = []
+    structure = _take_tensors(obj, tensors)
+    buffers = [memoryview(t.reshape(-1).view(torch.uint8).numpy()) if t.numel() else memoryview(b"") for t in tensors]
     offsets: list[int] = []
     position = 0
-
-    def visit(value: Any) -> Any:
-        nonlocal position
-        if isinstance(value, np.ndarray):
-            value = torch.from_numpy(np.ascontiguousarray(value))
-        if isinstance(value, torch.Tensor):
-            tensor = value.detach()
-            if tensor.device.type != "cpu":
-                tensor = tensor.cpu()
-            tensor = tensor.contiguous()
-            raw = memoryview(tensor.reshape(-1).view(torch.uint8).numpy()) if tensor.numel() else memoryview(b"")
-            position = -(-position // _ALIGN) * _ALIGN
-            offsets.append(position)
-            buffers.append(raw)
-            position += raw.nbytes
-            dtype = str(tensor.dtype).removeprefix("torch.")
-            return {_TENSOR_KEY: len(offsets) - 1, "dtype": dtype, "shape": list(tensor.shape)}
-        if isinstance(value, dict):
-            out = {}
-            for key, item in value.items():
-                if not isinstance(key, str):
-                    raise TypeError(f"wire dict keys must be str, got {type(key).__name__} {key!r}")
-                out[key] = visit(item)
-            return out
-        if isinstance(value, (list, tuple)):
-            return [visit(item) for item in value]
-        if value is None or isinstance(value, (str, bool, int, float)):
-            return value
-        if isinstance(value, (np.integer, np.floating, np.bool_)):
-            return value.item()
-        raise TypeError(f"cannot encode {type(value).__name__} on the wire")
-
-    structure = visit(obj)
+    for raw in buffers:
+        position = -(-position // _ALIGN) * _ALIGN
+        offsets.append(position)
+        position += raw.nbytes
     header = json.dumps({"body": structure, "offsets": offsets}, separators=(",", ":")).encode()
     prefix_len = len(MAGIC) + 8 + len(header)
     data_start = -(-prefix_len // _ALIGN) * _ALIGN
@@ -97,14 +72,138 @@ def encode_chunks(obj: Any) -> list[bytes | memoryview]:
     return parts
 
 
+# The walks below are module functions, not closures: a recursive closure is a reference cycle, and the cycle
+# would keep every tensor and receive buffer it saw alive until the garbage collector happens to run.
+def _take_tensors(value: Any, tensors: list[torch.Tensor]) -> Any:
+    """``value`` with each tensor replaced by its header entry; the tensors (contiguous, on CPU) go to ``tensors``."""
+    if isinstance(value, np.ndarray):
+        value = torch.from_numpy(np.ascontiguousarray(value))
+    if isinstance(value, torch.Tensor):
+        tensor = value.detach()
+        if tensor.device.type != "cpu":
+            tensor = tensor.cpu()
+        tensors.append(tensor.contiguous())
+        dtype = str(tensor.dtype).removeprefix("torch.")
+        return {_TENSOR_KEY: len(tensors) - 1, "dtype": dtype, "shape": list(tensor.shape)}
+    if isinstance(value, dict):
+        out = {}
+        for key, item in value.items():
+            if not isinstance(key, str):
+                raise TypeError(f"wire dict keys must be str, got {type(key).__name__} {key!r}")
+            out[key] = _take_tensors(item, tensors)
+        return out
+    if isinstance(value, (list, tuple)):
+        return [_take_tensors(item, tensors) for item in value]
+    if value is None or isinstance(value, (str, bool, int, float)):
+        return value
+    if isinstance(value, (np.integer, np.floating, np.bool_)):
+        return value.item()
+    raise TypeError(f"cannot encode {type(value).__name__} on the wire")
+
+
+def _put_tensors(value: Any, tensor: Callable[[dict], torch.Tensor]) -> Any:
+    """Inverse of ``_take_tensors``: each header entry becomes ``tensor(entry)``."""
+    if isinstance(value, dict):
+        if _TENSOR_KEY in value:
+            return tensor(value)
+        return {key: _put_tensors(item, tensor) for key, item in value.items()}
+    if isinstance(value, list):
+        return [_put_tensors(item, tensor) for item in value]
+    return value
+
+
+def pieces(chunks: Iterable[bytes | memoryview], size: int = 1 << 20) -> Iterator[bytes | memoryview]:
+    """The chunks, with large ones cut into ``size``-byte views.
+
+    A socket takes a few hundred KB per send; asyncio copies whatever it did
+    not take, and h11 copies each chunk it frames. Cut small, those copies
+    stay small and land in warm memory instead of a fresh 64 MB block.
+    """
+    for chunk in chunks:
+        view = memoryview(chunk).cast("B")
+        if view.nbytes <= size:
+            yield chunk
+        else:
+            for start in range(0, view.nbytes, size):
+                yield view[start : start + size]
+
+
+class BufferPool:
+    """Receive buffers, handed out again once no view of them is alive.
+
+    First touch of fresh memory page-faults: a new 64 MB buffer costs several
+    times a copy into a warm one. A buffer goes out only as a memoryview, and
+    decoded tensors are views of that, so while any of them lives the buffer
+    is in use and is not handed out again.
+    """
+
+    def __init__(self, min_bytes: int = 1 << 20, max_bytes: int = 256 << 20, max_buffers: int = 4):
+        self.min_bytes, self.max_bytes, self.max_buffers = min_bytes, max_bytes, max_buffers
+        self._buffers: list[bytearray] = []
+        self._lock = threading.Lock()
+
+    def take(self, nbytes: int) -> bytearray | memoryview:
+        """A writable buffer of exactly ``nbytes``: a view of a pooled bytearray, or a fresh one outside the bounds."""
+        if nbytes < self.min_bytes or nbytes > self.max_bytes:
+            return bytearray(nbytes)
+        with self._lock:
+            for buffer in self._buffers:
+                if nbytes <= len(buffer) <= 2 * nbytes and _unviewed(buffer):
+                    return memoryview(buffer)[:nbytes]
+            # Rounded up to 1 MB, so a slightly larger next message still fits.
+            buffer = bytearray(-(-nbytes // self.min_bytes) * self.min_bytes)
+            self._buffers.append(buffer)
+            while len(self._buffers) > self.max_buffers or sum(map(len, self._buffers)) > self.max_bytes:
+                self._buffers.pop(0)  # forgotten, not freed: a buffer in use lives on with its views
+            return memoryview(buffer)[:nbytes]
+
+
+def _unviewed(buffer: bytearray) -> bool:
+    """Whether no memoryview or tensor views ``buffer``: only then may a bytearray change size."""
+    try:
+        last = buffer.pop()
+    except BufferError:
+        return False
+    buffer.append(last)
+    return True
+
+
+receive_buffers = BufferPool()
+
+
+class Body:
+    """A message body received chunk by chunk into one buffer, which ``decode`` then uses in place."""
+
+    def __init__(self, content_length: str | None, pool: BufferPool = receive_buffers):
+        declared = content_length is not None and content_length.isdigit()
+        self._data = pool.take(int(content_length)) if declared else bytearray()
+        self.size = 0
+
+    def add(self, chunk: bytes) -> None:
+        end = self.size + len(chunk)
+        if end <= len(self._data):
+            self._data[self.size : end] = chunk
+        else:  # no Content-Length, or a wrong one: grow
+            if not isinstance(self._data, bytearray):
+                self._data = bytearray(self._data[: self.size])
+            del self._data[self.size :]
+            self._data += chunk
+        self.size = end
+
+    @property
+    def data(self) -> bytearray | memoryview:
+        return self._data if self.size == len(self._data) else memoryview(self._data)[: self.size]
+
+
 def decode(data: bytes | bytearray | memoryview) -> Any:
     """Inverse of ``encode``.
 
-    A ``bytearray`` is decoded in place: tensors are views into it, and the
-    caller hands it over (transports receive into one, so the payload is
-    copied once, from the socket). Immutable input is copied first.
+    A writable buffer (a ``bytearray`` or a view of one) is decoded in place:
+    tensors are views into it, and the caller hands it over (transports
+    receive into one, so the payload is copied once, from the socket).
+    Immutable input is copied first.
     """
-    view = memoryview(data)
+    view = memoryview(data).cast("B")
     if view.nbytes < len(MAGIC) + 8 or bytes(view[: len(MAGIC)]) != MAGIC:
         raise WireError("not an arctic wire message (bad magic)")
     (header_len,) = struct.unpack_from("<Q", view, len(MAGIC))
@@ -117,11 +216,11 @@ def decode(data: bytes | bytearray | memoryview) -> Any:
     except (ValueError, KeyError, TypeError) as exc:
         raise WireError(f"corrupt wire header: {exc}") from None
     data_start = -(-header_end // _ALIGN) * _ALIGN
-    if isinstance(data, bytearray):
-        payload, base = data, data_start
+    if not view.readonly:
+        payload, base = view, data_start
     else:
         # torch.frombuffer needs a writable buffer: tensors must be safe to modify.
-        payload, base = (bytearray(view[data_start:]) if offsets else bytearray()), 0
+        payload, base = (memoryview(bytearray(view[data_start:])) if offsets else memoryview(b"")), 0
 
     def tensor(spec: dict) -> torch.Tensor:
         try:
@@ -135,23 +234,14 @@ def decode(data: bytes | bytearray | memoryview) -> Any:
                 raise WireError(f"negative dimension in tensor shape {shape}")
             numel *= size
         nbytes = numel * torch.empty((), dtype=dtype).element_size()
-        if offset < 0 or base + offset + nbytes > len(payload):
+        if offset < 0 or base + offset + nbytes > payload.nbytes:
             raise WireError(f"tensor {index} ({dtype}, {shape}) runs past the end of the message")
         if numel == 0:
             return torch.empty(shape, dtype=dtype)
         flat = torch.frombuffer(payload, dtype=torch.uint8, count=nbytes, offset=base + offset)
         return flat.view(dtype).view(shape)
 
-    def visit(value: Any) -> Any:
-        if isinstance(value, dict):
-            if _TENSOR_KEY in value:
-                return tensor(value)
-            return {key: visit(item) for key, item in value.items()}
-        if isinstance(value, list):
-            return [visit(item) for item in value]
-        return value
-
-    return visit(structure)
+    return _put_tensors(structure, tensor)
 
 
 def to_jsonable(obj: Any) -> Any:

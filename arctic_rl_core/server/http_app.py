@@ -18,6 +18,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 from pydantic.json_schema import models_json_schema
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from arctic_rl_core import wire
 from arctic_rl_core.errors import BadRequest, PayloadTooLarge, Unauthorized, status_of
@@ -55,6 +56,26 @@ def error_response(exc: BaseException) -> JSONResponse:
     return JSONResponse({"error": type(exc).__name__, "detail": str(exc)}, status_code=status)
 
 
+class _BearerAuth:
+    """Refuses HTTP requests without the bearer token, except to ``OPEN_PATHS``.
+
+    Plain ASGI rather than ``@app.middleware``: that one runs a task per body
+    chunk received, which costs more than the chunk's copy on a big tensor.
+    """
+
+    def __init__(self, app: ASGIApp, token: str):
+        self.app, self.expected = app, f"Bearer {token}".encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"] not in OPEN_PATHS:
+            given = next((value for name, value in scope["headers"] if name == b"authorization"), b"")
+            if not hmac.compare_digest(given, self.expected):
+                refusal = error_response(Unauthorized("missing or wrong bearer token (Authorization: Bearer <token>)"))
+                await refusal(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
 def create_app(manager: JobManager, auth_token: str | None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(_app: FastAPI):
@@ -70,13 +91,8 @@ def create_app(manager: JobManager, auth_token: str | None, max_body_bytes: int 
     )
     app.state.manager = manager
 
-    @app.middleware("http")
-    async def authenticate(request: Request, call_next):
-        if auth_token is not None and request.url.path not in OPEN_PATHS:
-            given = request.headers.get("authorization", "")
-            if not hmac.compare_digest(given.encode(), f"Bearer {auth_token}".encode()):
-                return error_response(Unauthorized("missing or wrong bearer token (Authorization: Bearer <token>)"))
-        return await call_next(request)
+    if auth_token is not None:
+        app.add_middleware(_BearerAuth, token=auth_token)
 
     @app.get("/health")
     async def health() -> dict:
@@ -145,26 +161,18 @@ async def _read(request: Request, op: Op, max_body_bytes: int) -> Any:
     if declared is not None and declared.isdigit() and int(declared) > max_body_bytes:
         raise PayloadTooLarge(f"request body of {declared} bytes exceeds the limit of {max_body_bytes}")
     # Received once, into one buffer the wire decoder then uses in place.
-    body = bytearray(int(declared)) if declared is not None and declared.isdigit() else bytearray()
-    size = 0
+    body = wire.Body(declared)
     async for chunk in request.stream():
-        end = size + len(chunk)
-        if end > max_body_bytes:
+        if body.size + len(chunk) > max_body_bytes:
             raise PayloadTooLarge(f"request body exceeds the limit of {max_body_bytes} bytes")
-        if end <= len(body):
-            body[size:end] = chunk
-        else:
-            del body[size:]
-            body += chunk
-        size = end
-    del body[size:]
+        body.add(chunk)
     content_type = request.headers.get("content-type", "application/json").split(";")[0].strip()
     if content_type not in (wire.CONTENT_TYPE, "application/json", ""):
         raise ValueError(f"unsupported content-type {content_type!r}; use application/json or {wire.CONTENT_TYPE}")
     try:
         if content_type == wire.CONTENT_TYPE:
-            return wire.decode(body)
-        return json.loads(body) if body else {}
+            return wire.decode(body.data)
+        return json.loads(bytes(body.data)) if body.size else {}
     except Exception as exc:  # noqa: BLE001 - malformed bytes (truncated, nested past the parser) are a bad request
         raise BadRequest(f"request body is not valid {content_type or 'application/json'}: {exc}") from None
 
@@ -174,7 +182,9 @@ def _respond(request: Request, result: Any) -> Response:
         chunks = wire.encode_chunks({"result": result})
         length = sum(memoryview(c).nbytes for c in chunks)
         # Streamed from the result tensors' memory: no copy of the payload on the way out.
-        return StreamingResponse(_aiter(chunks), media_type=wire.CONTENT_TYPE, headers={"content-length": str(length)})
+        return StreamingResponse(
+            _aiter(wire.pieces(chunks)), media_type=wire.CONTENT_TYPE, headers={"content-length": str(length)}
+        )
     return _JSONResponse({"result": wire.to_jsonable(result)})
 
 

@@ -1,3 +1,4 @@
+import gc
 import math
 
 import numpy as np
@@ -56,3 +57,49 @@ def test_corrupt_messages_raise_wire_error_not_crash(blob):
 def test_unencodable_values_name_their_type():
     with pytest.raises(TypeError, match="set"):
         wire.encode({"s": {1, 2}})
+
+
+def test_pieces_cut_large_chunks_into_views_that_concatenate_to_the_message():
+    chunks = wire.encode_chunks({"t": torch.arange(1000, dtype=torch.int32), "s": "x"})
+    pieces = list(wire.pieces(chunks, size=256))
+    assert max(memoryview(p).nbytes for p in pieces) <= 256
+    assert b"".join(pieces) == wire.encode({"t": torch.arange(1000, dtype=torch.int32), "s": "x"})
+
+
+def test_pool_reuses_a_buffer_only_once_no_tensor_views_it():
+    pool = wire.BufferPool(min_bytes=1024, max_bytes=1 << 20)
+    first = pool.take(4096)
+    tensor = torch.frombuffer(first, dtype=torch.uint8)
+    del first
+    second = pool.take(4096)
+    second[:] = b"\1" * 4096
+    assert torch.equal(tensor, torch.zeros(4096, dtype=torch.uint8)), "a buffer in use was handed out again"
+    del tensor, second
+    assert len(pool._buffers) == 2
+    pool.take(4096)
+    assert len(pool._buffers) == 2, "a free buffer was not reused"
+
+
+def test_received_body_decodes_in_place_and_frees_its_buffer_without_the_garbage_collector():
+    message = wire.encode({"t": torch.arange(1 << 20, dtype=torch.float32)})
+    pool = wire.BufferPool()
+    gc.disable()
+    try:
+        for _ in range(3):
+            body = wire.Body(str(len(message)), pool)
+            for start in range(0, len(message), 300_000):
+                body.add(message[start : start + 300_000])
+            decoded = wire.decode(body.data)["t"]
+            assert torch.equal(decoded, torch.arange(1 << 20, dtype=torch.float32))
+            del body, decoded
+        assert len(pool._buffers) == 1
+    finally:
+        gc.enable()
+
+
+@pytest.mark.parametrize("declared", [None, "10", "100000"], ids=["none", "too-small", "too-large"])
+def test_body_without_a_true_content_length_still_holds_exactly_what_arrived(declared):
+    body = wire.Body(declared)
+    for _ in range(5):
+        body.add(b"abc" * 100)
+    assert bytes(body.data) == b"abc" * 500
