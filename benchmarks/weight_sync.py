@@ -6,9 +6,9 @@
 
 Weights are random, in bf16, laid out as Qwen2's Hugging Face parameters
 (nothing is downloaded). Every sync lands in a second process that holds the
-sampler's copy of the weights (separate tensors, as an inference engine holds
-them) and copies each received tensor into it, so a row's time runs from the
-sender's first byte to the receiver's last copy.
+native sampling engine's model (fused QKV and gate/up projections) and loads
+each received tensor into it with the engine's own ``WeightLoader``, so a row's
+time runs from the sender's first byte to the receiver's last copy.
 
 Colocated (one device), in one run per shape, the sender's weights laid out
 two ways:
@@ -172,17 +172,26 @@ class Row:
 # ----- colocated: a receiver process on the same device
 
 
-def receiver_main(ctrl, data, specs: dict, device: str) -> None:
-    """The sampler's side: holds its copy of the weights and loads every sync into it."""
+def receiver_main(ctrl, data, shape: Qwen2Shape, device: str) -> None:
+    """The sampler's side: the native engine's model (fused QKV and gate/up) loads every sync, as in a sampler."""
+    from transformers import Qwen2Config
+
+    from arctic_rl_core.engines.sampling.native.model import CausalLM, ModelSpec
+    from arctic_rl_core.engines.sampling.native.weights import WeightLoader
+
     device = torch.device(device)
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    params = {n: torch.zeros(dims, dtype=dtype, device=device) for n, (dims, dtype) in specs.items()}
-    expected = {n: p.shape for n, p in params.items()}
+    config = Qwen2Config(
+        hidden_size=shape.hidden, intermediate_size=shape.intermediate, num_hidden_layers=shape.layers,
+        num_attention_heads=shape.heads, num_key_value_heads=shape.kv_heads, vocab_size=shape.vocab,
+        tie_word_embeddings=shape.tied,
+    )  # fmt: skip
+    loader = WeightLoader(CausalLM(ModelSpec.from_hf_config(config), config, 16, DTYPE, device))
+    expected = dict(shape.parameters())
 
     def load(weights) -> None:
-        names, tensors = zip(*weights)
-        torch._foreach_copy_([params[n] for n in names], list(tensors))
+        loader.load(weights, batched=True)
 
     mappings = IpcMappings() if device.type == "cuda" else None
     while True:
@@ -192,7 +201,7 @@ def receiver_main(ctrl, data, specs: dict, device: str) -> None:
         elif command[0] == "forget":
             ctrl.send(mappings.forget())
         elif command[0] == "file":
-            load(read_weights(command[1], expected=expected, device=str(device)))
+            loader.load(read_weights(command[1], expected=expected, device=str(device)))
             synchronize(device)
             ctrl.send("loaded")
         else:
@@ -205,8 +214,7 @@ def colocated_rows(name: str, shape: Qwen2Shape, args, device: torch.device) -> 
     ctx = mp.get_context("spawn")
     ctrl, ctrl_there = ctx.Pipe()
     data, data_there = ctx.Pipe()
-    specs = {n: (tuple(t.shape), t.dtype) for n, t in weights.items()}
-    receiver = ctx.Process(target=receiver_main, args=(ctrl_there, data_there, specs, str(device)))
+    receiver = ctx.Process(target=receiver_main, args=(ctrl_there, data_there, shape, str(device)))
     receiver.start()
     bucket_size = args.bucket_mb << 20
     rows: list[Row] = []

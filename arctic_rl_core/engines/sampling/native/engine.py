@@ -71,6 +71,7 @@ class NativeEngine:
         self._undelivered: list[RequestOutput] = []
         self._auto_ids = itertools.count()
         self._asleep: set[str] = set()
+        self._loader: WeightLoader | None = None  # made at the first load; its views follow the weights
 
     # ---- engine loop ----------------------------------------------------------------------------------------
     def add_request(
@@ -240,10 +241,13 @@ class NativeEngine:
 
         The prefix cache is reset: its KV was computed by the old weights.
         """
-        if isinstance(weights, (str, os.PathLike)):
+        from_file = isinstance(weights, (str, os.PathLike))
+        if from_file:
             weights = iter_checkpoint(weights, torch.device("cpu"))
+        if self._loader is None:
+            self._loader = WeightLoader(self.runner.model)
         with torch.no_grad():
-            WeightLoader(self.runner.model).load(weights)
+            self._loader.load(weights, batched=not from_file)
         self.reset_prefix_cache()
 
     def weight_norm(self) -> float:
@@ -271,6 +275,7 @@ class NativeEngine:
             self._asleep.add("kv_cache")
         if level == 2 and "weights" not in self._asleep and self.config.device.type == "cuda":
             freed["weights"] = self.runner.move_weights(torch.device("cpu"))
+            self._loader = None  # its destinations were the device copies
             self._asleep.add("weights")
         self.block_manager.reset_prefix_cache()
         if self.config.device.type == "cuda":
@@ -286,6 +291,7 @@ class NativeEngine:
         restored = {}
         if "weights" in tags and "weights" in self._asleep:
             restored["weights"] = self.runner.move_weights(self.config.device)
+            self._loader = None
             self._asleep.discard("weights")
         if "kv_cache" in tags and "kv_cache" in self._asleep:
             self.runner.allocate_kv_cache()
