@@ -439,13 +439,31 @@ class DeepSpeedWorker:
             for param in self.model.parameters():
                 if param.grad is not None:
                     param.grad = param.grad.to(device)
+            moved.append("lp_grads")
             if self.optimizer is not None:
+                if self._move_master_params(device):
+                    moved.append("hp_params")
                 for state in self.optimizer.state.values():
                     for key, value in state.items():
                         if torch.is_tensor(value):
                             state[key] = value.to(device)
-            moved += ["lp_grads", "optim_states"]
+                moved.append("optim_states")
         return moved
+
+    def _move_master_params(self, device: torch.device) -> bool:
+        """Move the optimizer's own parameter copies (DeepSpeed's bf16/fp16 wrappers keep fp32 masters).
+
+        A parameter the module also holds is left alone: without a wrapper the
+        optimizer steps the module's own (low-precision) parameters.
+        """
+        inner = getattr(self.optimizer, "optimizer", self.optimizer)
+        module_params = {id(p) for p in self.model.parameters()}
+        masters = [p for group in inner.param_groups for p in group["params"] if id(p) not in module_params]
+        for param in masters:
+            param.data = param.data.to(device)
+            if param.grad is not None:
+                param.grad = param.grad.to(device)
+        return bool(masters)
 
     def empty_cache(self) -> dict:
         before = device_memory(reserved=True)

@@ -1,0 +1,110 @@
+"""Each ``sleep_training`` mode frees the GPU memory it says it frees, and ``wake_training`` brings it all back.
+
+The deployment is real (Ray, DeepSpeed, bf16, AdamW after one step); memory is
+read device-wide with ``cudaMemGetInfo`` from this process, so the worker's own
+accounting is not what is checked. With P parameters: the bf16 weights (lp) are
+2P bytes; the fp32 master weights (hp) and AdamW's two moments are 12P more.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from arctic_rl_core import ArcticRLClientConfig, create_arctic_rl_client
+from arctic_rl_core.models.tiny import TinySpec, build_tiny_model
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+# About 120M parameters: the states differ by hundreds of MB, far above allocator noise.
+SPEC = TinySpec(num_layers=8, hidden_size=1024, num_heads=16, num_kv_heads=4, intermediate_size=4096)
+
+
+def used_bytes() -> int:
+    free, total = torch.cuda.mem_get_info()
+    return total - free
+
+
+def _batch() -> dict:
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, 1000, (4, 64), generator=g)
+    response = torch.zeros_like(ids)
+    response[:, 32:] = 1
+    return {
+        "args": [ids],
+        "kwargs": {"attention_mask": torch.ones_like(ids)},
+        "context": {"response_mask": response, "advantages": torch.tensor([1.0, -1.0, 0.5, -0.5])},
+    }
+
+
+GRPO = {"loss_fn": "grpo", "config": {"eps_clip": 0.2}}
+
+
+def _parameter_count(path) -> int:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path))
+    return sum(p.numel() for p in model.parameters())
+
+
+@pytest.fixture(scope="module", params=[0, 1], ids=["zero0", "zero1"])
+def deployment(request, tmp_path_factory):
+    model = build_tiny_model(tmp_path_factory.mktemp("sleep-modes"), SPEC)
+    client = create_arctic_rl_client(
+        ArcticRLClientConfig(
+            model_name=str(model), comm_protocol="ray", training_gpus=1, colocate=True, ray_auto_attach=False,
+            ds_config={"zero_optimization": {"stage": request.param}},
+            training_config={"dtype": "bfloat16", "optimizer": {"lr": 1e-5}},
+            startup_timeout=300, job_ready_timeout=600, server_logs=False,
+        )
+    )  # fmt: skip
+
+    async def first_step() -> None:
+        await client.fwd_bwd(_batch(), GRPO)
+        await client.step()  # AdamW allocates its moments here
+
+    asyncio.run(first_step())
+    yield client, _parameter_count(model)
+    asyncio.run(client.shutdown())
+
+
+async def _sleep_and_wake(client, mode: str) -> tuple[int, int]:
+    """Bytes freed by ``sleep_training(mode)`` and bytes taken back by ``wake_training``, device-wide."""
+    await client.empty_training_cache()  # the last step's activations are cached blocks, not state
+    awake = used_bytes()
+    norm = (await client.weight_norm())["training_norm"]
+    await client.sleep_training(mode=mode)
+    asleep = used_bytes()
+    await client.wake_training()
+    await client.empty_training_cache()
+    assert (await client.weight_norm())["training_norm"] == norm  # nothing lost on the round trip
+    return awake - asleep, used_bytes() - asleep
+
+
+def test_each_sleep_mode_frees_its_states_and_wake_restores_them(deployment):
+    client, parameters = deployment
+    lp, hp_and_moments = 2 * parameters, 12 * parameters
+
+    async def run() -> tuple[dict, dict]:
+        memory = {mode: await _sleep_and_wake(client, mode) for mode in ("lp_params", "non_lp", "all")}
+        # Training goes on after the round trips: the optimizer found its state again.
+        metrics = await client.fwd_bwd(_batch(), GRPO)
+        await client.step()
+        return memory, metrics
+
+    memory, metrics = asyncio.run(run())
+    print(f"P={parameters}: " + ", ".join(f"{m} freed {f / 2**20:.0f} MiB, woke {w / 2**20:.0f} MiB"
+                                          for m, (f, w) in memory.items()))  # fmt: skip
+    freed = {mode: f for mode, (f, _) in memory.items()}
+    # lp_params: the bf16 weights, and not the fp32 state.
+    assert 0.9 * lp <= freed["lp_params"] <= 1.1 * lp + (64 << 20)
+    # non_lp: the fp32 masters and moments, while the bf16 weights stay (a weight sync reads them).
+    assert freed["non_lp"] >= 0.95 * hp_and_moments
+    assert freed["all"] - freed["non_lp"] >= 0.9 * lp
+    # Waking takes back what sleeping freed, within allocator rounding.
+    for mode, (gone, back) in memory.items():
+        assert abs(back - gone) <= 0.05 * gone + (64 << 20), mode
+    assert torch.isfinite(torch.tensor(metrics["loss"]))
