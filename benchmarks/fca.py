@@ -2,6 +2,8 @@
 
     python benchmarks/fca.py [--skip-e2e]
 
+(Kernel variants side by side: ``benchmarks/fca_sweep.py``.)
+
 Kernel: Qwen2-0.5B's attention shape (14 query heads, 2 KV heads, head dim
 64, bf16, block size 16), one decode token per request, in two cases:
 64 requests in 4 groups of 16 that each share an 8K prefix, and 16 requests
@@ -59,11 +61,8 @@ def graph_us(fn, layers: int = LAYERS, replays: int = 30) -> float:
     return sorted(times)[replays // 2]
 
 
-def kernel_case(
-    groups: int, per_group: int, prefix: int, suffix: int, target_items: int, tiles: TileShape, with_sdpa: bool = True
-) -> dict:
-    from arctic_rl_core.zorro.attention import triton_attention as kernel
-
+def paged_batch(groups: int, per_group: int, prefix: int, suffix: int) -> dict:
+    """``groups`` groups of ``per_group`` requests sharing a prefix's blocks, in 16 layers' worth of paged KV."""
     n = groups * per_group
     prefix_blocks, suffix_blocks = prefix // BLOCK, -(-suffix // BLOCK)
     tables = []
@@ -83,7 +82,19 @@ def kernel_case(
     q = randn(n, HEADS, DIM)
     block_tables = torch.tensor(tables, dtype=torch.int32, device="cuda")
     positions = torch.tensor([x - 1 for x in lengths], dtype=torch.int32, device="cuda")
+    return {"tables": tables, "lengths": lengths, "caches": caches, "q": q, "block_tables": block_tables,
+            "positions": positions}  # fmt: skip
 
+
+def kernel_case(
+    groups: int, per_group: int, prefix: int, suffix: int, target_items: int, tiles: TileShape, with_sdpa: bool = True
+) -> dict:
+    from arctic_rl_core.zorro.attention import triton_attention as kernel
+
+    n = groups * per_group
+    batch = paged_batch(groups, per_group, prefix, suffix)
+    tables, lengths, caches, q = batch["tables"], batch["lengths"], batch["caches"], batch["q"]
+    block_tables, positions = batch["block_tables"], batch["positions"]
     forest = build_forest(tables, lengths, BLOCK)
     start = time.perf_counter()
     fca_plan = plan_decode(forest, lengths, tiles, target_items)
@@ -159,27 +170,6 @@ def kernel_benchmark(tiles: TileShape) -> None:
               f"SDPA {r['diff_sdpa_ref']:.2e}")  # fmt: skip
 
 
-def kernel_sweep() -> None:
-    """The FCA kernel's tile shapes side by side (no SDPA): where the defaults in ``TileShape`` come from."""
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
-    group = HEADS // KV_HEADS
-    shapes = [
-        TileShape(group, wide_rows=128, wide_warps=8, chunk_per_row=2),
-        TileShape(group),
-        TileShape(group, wide_rows=64, wide_warps=4, chunk_per_row=4, block_n=32),
-        TileShape(group, wide_rows=128, wide_warps=8, chunk_per_row=2, block_n=32),
-        TileShape(group, wide_rows=64, wide_warps=4, chunk_per_row=2),
-        TileShape(group, wide_rows=64, wide_warps=4, chunk_per_row=4, block_n=128),
-    ]
-    for tiles in shapes:
-        cells = []
-        for label, groups, per_group, _ in CASES:
-            r = kernel_case(groups, per_group, 8192, 256, 4 * sms // KV_HEADS, tiles, with_sdpa=False)
-            cells.append(f"{label[:12]}: fca {r['times']['fca']:6.1f} us plain {r['times']['plain']:6.1f} us")
-        print(f"sweep {tiles.wide_rows:3d} rows {tiles.wide_warps} warps block_n {tiles.block_n:3d} "
-              f"chunk/row {tiles.chunk_per_row}  |  " + "  |  ".join(cells))  # fmt: skip
-
-
 def e2e_benchmark(model_dir: Path, group: int, prompt_len: int, new_tokens: int) -> None:
     from sampling import build_qwen2_05b, gpu_ms, native_engine
 
@@ -237,13 +227,9 @@ def e2e_benchmark(model_dir: Path, group: int, prompt_len: int, new_tokens: int)
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--skip-e2e", action="store_true")
-    parser.add_argument("--sweep", action="store_true", help="compare tile shapes of the kernel and exit")
     parser.add_argument("--model-dir", type=Path, default=Path(tempfile.gettempdir()) / "qwen2-0.5b-random")
     args = parser.parse_args()
     print(f"device: {torch.cuda.get_device_name()}")
-    if args.sweep:
-        kernel_sweep()
-        return
     kernel_benchmark(TileShape(HEADS // KV_HEADS))
     if not args.skip_e2e:
         e2e_benchmark(args.model_dir, group=16, prompt_len=8192, new_tokens=512)

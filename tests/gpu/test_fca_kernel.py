@@ -45,15 +45,19 @@ def _run(q, caches, tables, lengths, plan, positions, tiles):
     return out, block_tables
 
 
+# The defaults (a group of 16 requests in one 128-row tile), and 64-row tiles (9 requests each).
+TILES = [TileShape(GROUP), TileShape(GROUP, wide_rows=64, wide_warps=4, chunk_per_row=4, wide_maxnreg=None)]
+
+
+@pytest.mark.parametrize("tiles", TILES, ids=lambda t: f"{t.wide_rows}rows")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("use_forest", [True, False])
-def test_decode_kernel_equals_reference(dtype, use_forest):
-    tables, lengths = _forest_batch()
+def test_decode_kernel_equals_reference(dtype, use_forest, tiles):
+    tables, lengths = _forest_batch(per_group=16)
     forest = build_forest(tables, lengths, BS) if use_forest else PrefixForest.unshared(len(tables))
     assert forest.num_levels == (2 if use_forest else 0)
     caches = _cache(dtype)
     q = torch.randn(len(tables), HKV * GROUP, D, device="cuda").to(dtype)
-    tiles = TileShape(GROUP)
     plan = plan_decode(forest, lengths, tiles, target_items=264)
     positions = torch.tensor([n - 1 for n in lengths], dtype=torch.int32, device="cuda")
     out, block_tables = _run(q, caches, tables, lengths, plan, positions, tiles)
@@ -62,14 +66,14 @@ def test_decode_kernel_equals_reference(dtype, use_forest):
     torch.testing.assert_close(out.float(), expected, atol=tol, rtol=tol)
 
 
-def test_prefill_kernel_equals_reference():
+@pytest.mark.parametrize("tiles", TILES, ids=lambda t: f"{t.wide_rows}rows")
+def test_prefill_kernel_equals_reference(tiles):
     caches = _cache(torch.bfloat16)
     tables = [list(range(0, 70)), list(range(100, 103)), list(range(200, 260))]
     query_lens, lengths = [1100, 40, 1], [1100, 40, 950]
     q = torch.randn(sum(query_lens), HKV * GROUP, D, device="cuda").to(torch.bfloat16)
     positions = [p for n, length in zip(query_lens, lengths) for p in range(length - n, length)]
     positions = torch.tensor(positions, dtype=torch.int32, device="cuda")
-    tiles = TileShape(GROUP)
     out, block_tables = _run(q, caches, tables, lengths, plan_prefill(query_lens, lengths, tiles), positions, tiles)
     expected = paged_prefill_attention(q.float(), caches[0].float(), caches[1].float(), block_tables, query_lens,
                                        lengths, D**-0.5)  # fmt: skip

@@ -39,16 +39,24 @@ class TileShape:
     partials and reads ``chunk * head_dim * 2`` cache values, so chunks are at
     least ``chunk_per_row * rows`` long: the writes stay a small fraction of
     the reads while enough chunks remain to fill the device.
+
+    ``stages`` is Triton's software pipelining of the narrow tiles' loads;
+    ``wide_maxnreg`` caps the wide kernel's registers so that two 8-warp
+    programs fit on a multiprocessor; ``pdl`` lets the merge launch start
+    while the attention kernel drains (programmatic dependent launch).
     """
 
     group: int
-    # Defaults from ``benchmarks/fca.py --sweep`` on an H200 (Qwen2-0.5B attention shape): 64-row wide tiles
-    # ran the grouped cases fastest without slowing plain decode.
-    wide_rows: int = 64
+    # Defaults from ``benchmarks/fca_sweep.py`` on an H200 (Qwen2-0.5B attention shape): a group of up to 18
+    # requests in one 128-row tile, so its prefix is read once per KV head.
+    wide_rows: int = 128
     narrow_rows: int = 16
     block_n: int = 64
-    wide_warps: int = 4
-    chunk_per_row: int = 4
+    wide_warps: int = 8
+    chunk_per_row: int = 2
+    stages: int = 2
+    wide_maxnreg: int | None = 128
+    pdl: bool = True
 
     def __post_init__(self):
         if self.group < 1 or self.group > self.narrow_rows:

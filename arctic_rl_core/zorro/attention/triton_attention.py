@@ -8,7 +8,9 @@ per group, not once per request. Results go straight to the output when the
 item is the query's only one, else to partials (in the attention dtype) with
 their float32 log-sum-exp. ``_merge_partials`` then combines each query's
 partials exactly. Both take their sizes from device memory, so one CUDA graph
-serves every step.
+serves every step. The attention kernel runs as many programs as fit on the
+device at once (from its compiled registers); the merge is launched as its
+programmatic dependent, so its start overlaps the attention kernel's tail.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from arctic_rl_core.zorro.attention.plan import ITEM_FIELDS, AttentionPlan, TileShape
 
@@ -25,23 +28,75 @@ LOG2E = 1.4426950408889634
 
 
 @triton.jit
+def _block_ids(table, kv0, kv_end, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr):
+    kv_pos = kv0 + tl.arange(0, BLOCK_N)
+    return tl.load(table + kv_pos // BLOCK_SIZE, mask=kv_pos < kv_end, other=0)
+
+
+@triton.jit
+def _load_kv(
+    K_CACHE, V_CACHE, blocks, kv0, kv_end, kv_head, stride_ks, stride_kh,
+    HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    kv_pos = kv0 + tl.arange(0, BLOCK_N)
+    valid = (kv_pos < kv_end)[:, None]
+    slot = blocks.to(tl.int64) * BLOCK_SIZE + kv_pos % BLOCK_SIZE
+    offsets = slot[:, None] * stride_ks + kv_head * stride_kh + tl.arange(0, HEAD_DIM)[None, :]
+    return tl.load(K_CACHE + offsets, mask=valid, other=0.0), tl.load(V_CACHE + offsets, mask=valid, other=0.0)
+
+
+@triton.jit
+def _softmax_step(
+    q, k, v, acc, l_i, m_i, kv0, kv_end, unmasked_end, position, scale_log2,
+    BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
+):  # fmt: skip
+    """One step of the online softmax over keys ``kv0 + [0, BLOCK_N)``."""
+    scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
+    if kv0 + BLOCK_N > unmasked_end:
+        kv_pos = kv0 + tl.arange(0, BLOCK_N)
+        scores = tl.where((kv_pos[None, :] < kv_end) & (kv_pos[None, :] <= position[:, None]), scores, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+    # A row that has seen no visible key keeps m = -inf; shift by 0 there to avoid inf - inf.
+    m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_shift)
+    p = tl.exp2(scores - m_shift[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+    return acc, l_i, m_new
+
+
+@triton.jit
 def _attend_item(
     Q, K_CACHE, V_CACHE, OUT, PART_O, PART_LSE, BLOCK_TABLES, item, kv_head, QUERY_INDEX, QUERY_POS,
     scale_log2, stride_qt, stride_qh, stride_ks, stride_kh, stride_ot, stride_oh, stride_bt,
     NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, PREFETCH: tl.constexpr,
 ):  # fmt: skip
-    """One work unit: a tile of queries (``BLOCK_M // GROUP`` of them, all heads of one KV head) over a KV range."""
+    """One work unit: a tile of queries (``BLOCK_M // GROUP`` of them, all heads of one KV head) over a KV range.
+
+    With ``PREFETCH`` (wide tiles) loads run ahead of the arithmetic by hand:
+    block ids two steps, K and V one step, so each step's memory latency
+    hides behind the previous step's matrix work (Triton's own pipelining
+    waits for the block-table load every step). Narrow tiles have little
+    arithmetic to hide behind, and keep Triton's pipelining and fewer
+    registers (more programs per multiprocessor).
+    """
     rows = tl.arange(0, BLOCK_M)
-    cols = tl.arange(0, BLOCK_N)
     dims = tl.arange(0, HEAD_DIM)
     row_query = rows // GROUP
     query_offset = tl.load(item)
     query_count = tl.load(item + 1)
     table = BLOCK_TABLES + tl.load(item + 2).to(tl.int64) * stride_bt
     kv_start = tl.load(item + 3)
+    # Plans end every item at or before its last query's position + 1; later positions are masked per query.
     kv_end = tl.load(item + 4)
     partial_row = tl.load(item + 5)
+    if PREFETCH:
+        # The first step's K and V are requested before the queries, whose loads take as long.
+        blocks = _block_ids(table, kv_start, kv_end, BLOCK_SIZE, BLOCK_N)
+        k, v = _load_kv(K_CACHE, V_CACHE, blocks, kv_start, kv_end, kv_head, stride_ks, stride_kh, HEAD_DIM,
+                        BLOCK_SIZE, BLOCK_N)  # fmt: skip
+        blocks = _block_ids(table, kv_start + BLOCK_N, kv_end, BLOCK_SIZE, BLOCK_N)
 
     row_valid = row_query < query_count
     token = tl.load(QUERY_INDEX + query_offset + row_query, mask=row_valid, other=0).to(tl.int64)
@@ -49,32 +104,27 @@ def _attend_item(
     head = kv_head * GROUP + rows % GROUP
     q = tl.load(Q + token[:, None] * stride_qt + head[:, None] * stride_qh + dims[None, :], mask=row_valid[:, None],
                 other=0.0)  # fmt: skip
-    kv_stop = tl.minimum(kv_end, tl.max(position, axis=0) + 1)
     # Steps wholly before every query's position and the range end need no mask (all of decode but the last).
-    unmasked_end = tl.minimum(kv_stop, tl.min(tl.where(row_valid, position, kv_stop), axis=0) + 1)
+    unmasked_end = tl.minimum(kv_end, tl.min(tl.where(row_valid, position, kv_end), axis=0) + 1)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
-    for kv0 in range(kv_start, kv_stop, BLOCK_N):
-        kv_pos = kv0 + cols
-        kv_valid = kv_pos < kv_stop
-        block = tl.load(table + kv_pos // BLOCK_SIZE, mask=kv_valid, other=0).to(tl.int64)
-        slot = block * BLOCK_SIZE + kv_pos % BLOCK_SIZE
-        kv_offsets = slot[:, None] * stride_ks + kv_head * stride_kh + dims[None, :]
-        k = tl.load(K_CACHE + kv_offsets, mask=kv_valid[:, None], other=0.0)
-        v = tl.load(V_CACHE + kv_offsets, mask=kv_valid[:, None], other=0.0)
-        scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
-        if kv0 + BLOCK_N > unmasked_end:
-            scores = tl.where(kv_valid[None, :] & (kv_pos[None, :] <= position[:, None]), scores, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
-        # A row that has seen no visible key keeps m = -inf; shift by 0 there to avoid inf - inf.
-        m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_shift)
-        p = tl.exp2(scores - m_shift[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-        m_i = m_new
+    if PREFETCH:
+        for kv0 in tl.range(kv_start, kv_end, BLOCK_N, num_stages=1):
+            k_next, v_next = _load_kv(K_CACHE, V_CACHE, blocks, kv0 + BLOCK_N, kv_end, kv_head, stride_ks,
+                                      stride_kh, HEAD_DIM, BLOCK_SIZE, BLOCK_N)  # fmt: skip
+            blocks = _block_ids(table, kv0 + 2 * BLOCK_N, kv_end, BLOCK_SIZE, BLOCK_N)
+            acc, l_i, m_i = _softmax_step(q, k, v, acc, l_i, m_i, kv0, kv_end, unmasked_end, position, scale_log2,
+                                          BLOCK_N, PRECISION)  # fmt: skip
+            k, v = k_next, v_next
+    else:
+        for kv0 in range(kv_start, kv_end, BLOCK_N):
+            blocks = _block_ids(table, kv0, kv_end, BLOCK_SIZE, BLOCK_N)
+            k, v = _load_kv(K_CACHE, V_CACHE, blocks, kv0, kv_end, kv_head, stride_ks, stride_kh, HEAD_DIM,
+                            BLOCK_SIZE, BLOCK_N)  # fmt: skip
+            acc, l_i, m_i = _softmax_step(q, k, v, acc, l_i, m_i, kv0, kv_end, unmasked_end, position, scale_log2,
+                                          BLOCK_N, PRECISION)  # fmt: skip
 
     seen = l_i > 0.0
     out = acc / tl.where(seen, l_i, 1.0)[:, None]
@@ -95,7 +145,7 @@ def _attend_items(
     QUERY_POS, scale_log2, stride_qt, stride_qh, stride_ks, stride_kh, stride_ot, stride_oh, stride_bt,
     NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, WIDE_M: tl.constexpr, NARROW_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    HAS_WIDE: tl.constexpr, NUM_PROGRAMS: tl.constexpr, PRECISION: tl.constexpr,
+    HAS_WIDE: tl.constexpr, PRECISION: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
     """Persistent over (item, KV head) work units: the wide items first (the longest), then the narrow ones.
 
@@ -105,14 +155,14 @@ def _attend_items(
     # Plans run with HAS_WIDE=False have no wide items, so the first branch is never taken there.
     num_wide = tl.load(COUNTS) * NUM_KV_HEADS
     num_work = num_wide + tl.load(COUNTS + 1) * NUM_KV_HEADS
-    for work in range(tl.program_id(0), num_work, NUM_PROGRAMS):
+    for work in range(tl.program_id(0), num_work, tl.num_programs(0)):
         if work < num_wide:
             if HAS_WIDE:
                 _attend_item(
                     Q, K_CACHE, V_CACHE, OUT, PART_O, PART_LSE, BLOCK_TABLES,
                     WIDE_ITEMS + (work // NUM_KV_HEADS) * 6, work % NUM_KV_HEADS, QUERY_INDEX, QUERY_POS,
                     scale_log2, stride_qt, stride_qh, stride_ks, stride_kh, stride_ot, stride_oh, stride_bt,
-                    NUM_HEADS, GROUP, HEAD_DIM, BLOCK_SIZE, WIDE_M, BLOCK_N, PRECISION,
+                    NUM_HEADS, GROUP, HEAD_DIM, BLOCK_SIZE, WIDE_M, BLOCK_N, PRECISION, PREFETCH=True,
                 )  # fmt: skip
         else:
             unit = work - num_wide
@@ -120,38 +170,50 @@ def _attend_items(
                 Q, K_CACHE, V_CACHE, OUT, PART_O, PART_LSE, BLOCK_TABLES,
                 NARROW_ITEMS + (unit // NUM_KV_HEADS) * 6, unit % NUM_KV_HEADS, QUERY_INDEX, QUERY_POS,
                 scale_log2, stride_qt, stride_qh, stride_ks, stride_kh, stride_ot, stride_oh, stride_bt,
-                NUM_HEADS, GROUP, HEAD_DIM, BLOCK_SIZE, NARROW_M, BLOCK_N, PRECISION,
+                NUM_HEADS, GROUP, HEAD_DIM, BLOCK_SIZE, NARROW_M, BLOCK_N, PRECISION, PREFETCH=False,
             )  # fmt: skip
+    if USE_PDL:
+        # This program is done: the merge's programs may take its place and read their indices early.
+        gdc_launch_dependents()
 
 
 @triton.jit
 def _merge_partials(
     OUT, PART_O, PART_LSE, MERGE_OFFSETS, MERGE_ROWS, stride_ot, stride_oh,
-    NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_E: tl.constexpr,
+    NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_E: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
-    """One (query, head): softmax-weighted sum of its partials, ``BLOCK_E`` partials per vectorised step."""
+    """One (query, head): softmax-weighted sum of its partials, ``BLOCK_E`` partials per vectorised step.
+
+    With ``USE_PDL`` it starts while the attention kernel's last programs run
+    and waits for that kernel's writes only before reading partials.
+    """
     token = tl.program_id(0)
     head = tl.program_id(1)
     lo = tl.load(MERGE_OFFSETS + token)
     hi = tl.load(MERGE_OFFSETS + token + 1)
+    dims = tl.arange(0, HEAD_DIM)
+    # The plan's indices are read ahead of each step (before the wait, for the first).
+    entries = lo + tl.arange(0, BLOCK_E)
+    prow = tl.load(MERGE_ROWS + entries, mask=entries < hi, other=0).to(tl.int64) * NUM_HEADS + head
+    if USE_PDL:
+        gdc_wait()
+    m = float("-inf")
+    total = 0.0
+    acc = tl.zeros([HEAD_DIM], tl.float32)
+    for e0 in range(lo, hi, BLOCK_E):
+        valid = e0 + tl.arange(0, BLOCK_E) < hi
+        lse = tl.load(PART_LSE + prow, mask=valid, other=float("-inf"))
+        o = tl.load(PART_O + prow[:, None] * HEAD_DIM + dims[None, :], mask=valid[:, None], other=0.0)
+        entries = e0 + BLOCK_E + tl.arange(0, BLOCK_E)
+        prow = tl.load(MERGE_ROWS + entries, mask=entries < hi, other=0).to(tl.int64) * NUM_HEADS + head
+        m_new = tl.maximum(m, tl.max(lse, axis=0))
+        m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+        w = tl.exp(lse - m_shift)
+        alpha = tl.exp(m - m_shift)
+        total = total * alpha + tl.sum(w, axis=0)
+        acc = acc * alpha + tl.sum(w[:, None] * o.to(tl.float32), axis=0)
+        m = m_new
     if hi > lo:
-        dims = tl.arange(0, HEAD_DIM)
-        m = float("-inf")
-        total = 0.0
-        acc = tl.zeros([HEAD_DIM], tl.float32)
-        for e0 in range(lo, hi, BLOCK_E):
-            entries = e0 + tl.arange(0, BLOCK_E)
-            valid = entries < hi
-            prow = tl.load(MERGE_ROWS + entries, mask=valid, other=0).to(tl.int64) * NUM_HEADS + head
-            lse = tl.load(PART_LSE + prow, mask=valid, other=float("-inf"))
-            o = tl.load(PART_O + prow[:, None] * HEAD_DIM + dims[None, :], mask=valid[:, None], other=0.0)
-            m_new = tl.maximum(m, tl.max(lse, axis=0))
-            m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
-            w = tl.exp(lse - m_shift)
-            alpha = tl.exp(m - m_shift)
-            total = total * alpha + tl.sum(w, axis=0)
-            acc = acc * alpha + tl.sum(w[:, None] * o.to(tl.float32), axis=0)
-            m = m_new
         out = acc / tl.where(total > 0.0, total, 1.0)
         tl.store(OUT + token * stride_ot + head * stride_oh + dims, out.to(OUT.dtype.element_ty))
 
@@ -207,6 +269,31 @@ class Workspace:
         )
 
 
+_RESIDENT: dict[tuple, int] = {}
+
+
+def _resident_programs(args, options: dict, device) -> int:
+    """As many persistent programs as fit on the device at once, from the compiled kernel's registers and memory.
+
+    More would wait for a free slot and then run their share of the work
+    after everyone else's; fewer would leave multiprocessors idle.
+    """
+    key = (device, tuple(sorted(options.items())))
+    if key not in _RESIDENT:
+        compiled = _attend_items.warmup(*args, grid=(1,), **options)
+        compiled._init_handles()
+        props = torch.cuda.get_device_properties(device)
+        warps = options["num_warps"]
+        # Registers are granted per warp in units of 256.
+        regs_per_program = -(-compiled.n_regs * 32 // 256) * 256 * warps
+        per_sm = min(getattr(props, "regs_per_multiprocessor", 65536) // regs_per_program, 64 // warps)
+        if compiled.metadata.shared:
+            smem = getattr(props, "shared_memory_per_multiprocessor", 233472)
+            per_sm = min(per_sm, smem // (compiled.metadata.shared + 1024))
+        _RESIDENT[key] = props.multi_processor_count * max(per_sm, 1)
+    return _RESIDENT[key]
+
+
 def paged_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -234,21 +321,28 @@ def paged_attention(
     if k_cache.stride(3) != 1 or q.stride(2) != 1 or out.stride(2) != 1:
         raise ValueError("paged_attention needs the head dimension contiguous in q, out and the caches")
     warps = tiles.wide_warps if wide else 4
-    # About 16 warps resident per multiprocessor.
-    programs = torch.cuda.get_device_properties(q.device).multi_processor_count * (16 // warps) if q.is_cuda else 4
-    _attend_items[(programs,)](
+    # Programmatic dependent launch (griddepcontrol) exists from Hopper on.
+    use_pdl = q.is_cuda and tiles.pdl and torch.cuda.get_device_capability(q.device)[0] >= 9
+    args = (
         q, k_cache, v_cache, out, workspace.partial_out, workspace.partial_lse, block_tables, plan.wide_items,
         plan.narrow_items, plan.counts, plan.query_index, query_positions, scale * LOG2E,
         q.stride(0), q.stride(1), k_cache.stride(1), k_cache.stride(2), out.stride(0), out.stride(1),
         block_tables.stride(0),
+    )  # fmt: skip
+    options = dict(
         NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, GROUP=tiles.group, HEAD_DIM=head_dim,
         BLOCK_SIZE=k_cache.shape[1], WIDE_M=tiles.wide_rows, NARROW_M=tiles.narrow_rows, BLOCK_N=tiles.block_n,
-        HAS_WIDE=wide, NUM_PROGRAMS=programs, PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        num_warps=warps, num_stages=2,
+        HAS_WIDE=wide, PRECISION="ieee" if q.dtype == torch.float32 else "tf32", USE_PDL=use_pdl,
+        num_warps=warps, num_stages=tiles.stages,
     )  # fmt: skip
+    if wide and tiles.wide_maxnreg:
+        options["maxnreg"] = tiles.wide_maxnreg
+    programs = _resident_programs(args, options, q.device) if q.is_cuda else 4
+    _attend_items[(programs,)](*args, **options)
     if merge:
         _merge_partials[(num_tokens, num_heads)](
             out, workspace.partial_out, workspace.partial_lse, plan.merge_offsets, plan.merge_rows,
-            out.stride(0), out.stride(1), NUM_HEADS=num_heads, HEAD_DIM=head_dim, BLOCK_E=32, num_warps=2,
+            out.stride(0), out.stride(1), NUM_HEADS=num_heads, HEAD_DIM=head_dim, BLOCK_E=64, USE_PDL=use_pdl,
+            num_warps=4, **({"launch_pdl": True} if use_pdl else {}),
         )  # fmt: skip
     return out

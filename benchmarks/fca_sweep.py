@@ -1,0 +1,92 @@
+"""FCA kernel variants side by side on one GPU: attend and merge times per case, and exactness against plain.
+
+python benchmarks/fca_sweep.py [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import time
+
+import torch
+from fca import BLOCK, DIM, HEADS, KV_HEADS, SCALE, graph_us, paged_batch
+
+from arctic_rl_core.zorro.attention import triton_attention as kernel
+from arctic_rl_core.zorro.attention.forest import PrefixForest, build_forest
+from arctic_rl_core.zorro.attention.plan import TileShape, plan_decode
+
+GROUP = HEADS // KV_HEADS
+CASES = (("4x16", 4, 16), ("1x16", 1, 16))
+
+
+def variants(quick: bool) -> list[tuple[TileShape, float]]:
+    """(tile shape, multiple of the engine's target item count)."""
+    default = TileShape(GROUP)
+    rows64 = dataclasses.replace(default, wide_rows=64, wide_warps=4, chunk_per_row=4, wide_maxnreg=None)
+    out = [
+        (default, 1.0),
+        (default, 2.0),
+        (dataclasses.replace(default, chunk_per_row=1), 1.0),
+        (dataclasses.replace(default, pdl=False), 1.0),
+        (dataclasses.replace(default, wide_maxnreg=None), 1.0),
+        (rows64, 1.0),
+    ]
+    return out[:2] if quick else out
+
+
+def measure(batch: dict, tiles: TileShape, target: int) -> dict:
+    n = len(batch["lengths"])
+    lengths, caches, q = batch["lengths"], batch["caches"], batch["q"]
+    forest = build_forest(batch["tables"], lengths, BLOCK)
+    result = {}
+    outs = {}
+    for name, f, wide, merge in (
+        ("fca", forest, True, True),
+        ("attend", forest, True, False),
+        ("plain", PrefixForest.unshared(n), False, True),
+    ):
+        plan = plan_decode(f, lengths, tiles, target)
+        device_plan = kernel.DevicePlan.from_plan(plan, "cuda")
+        workspace = kernel.Workspace.allocate(plan.num_partial_rows, HEADS, DIM, "cuda", torch.bfloat16)
+        out = torch.empty_like(q)
+
+        def run(layer, device_plan=device_plan, workspace=workspace, out=out, wide=wide, merge=merge):
+            kernel.paged_attention(q, *caches[layer], batch["block_tables"], batch["positions"], device_plan,
+                                   workspace, SCALE, tiles, wide=wide, merge=merge, out=out)  # fmt: skip
+
+        result[name] = graph_us(run)
+        outs[name] = out
+        if name == "fca":
+            result["items"] = f"{len(plan.wide_items)}+{len(plan.narrow_items)}"
+    result["diff"] = (outs["fca"].float() - outs["plain"].float()).abs().max().item()
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true")
+    args = parser.parse_args()
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    batches = {label: paged_batch(g, per, 8192, 256) for label, g, per in CASES}
+    print(f"device: {torch.cuda.get_device_name()}, {sms} SMs")
+    for tiles, factor in variants(args.quick):
+        target = int(factor * 4 * sms // KV_HEADS)
+        start = time.perf_counter()
+        kernel._RESIDENT.clear()
+        cells = []
+        for label, batch in batches.items():
+            try:
+                r = measure(batch, tiles, target)
+                cells.append(f"{label}: fca {r['fca']:5.1f} attend {r['attend']:5.1f} plain {r['plain']:5.1f} "
+                             f"items {r['items']:>7s} diff {r['diff']:.1e}")  # fmt: skip
+            except Exception as e:  # a variant that fails to compile or run is reported, not fatal
+                cells.append(f"{label}: {type(e).__name__}: {str(e)[:120]}")
+        print(f"rows {tiles.wide_rows:3d} w{tiles.wide_warps} bn {tiles.block_n:3d} st {tiles.stages} "
+              f"cpr {tiles.chunk_per_row} reg {tiles.wide_maxnreg or 0:3d} pdl {tiles.pdl:d} tgt {target:3d} "
+              f"programs {sorted(set(kernel._RESIDENT.values()))} "
+              f"({time.perf_counter() - start:4.1f}s) | " + " | ".join(cells), flush=True)  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
