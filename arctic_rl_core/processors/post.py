@@ -12,13 +12,16 @@ transformed logits, by the engine; they are not steps of the pipeline:
 - ``compute_entropy`` asks for entropy even when the loss does not need it,
   so the ``entropy`` metric is reported.
 
-Log-probs and entropy are computed in float32 chunks of rows with a
-hand-written backward pass: nothing float32 of size [N, V] is saved for
-backward, and no float32 copy of more than one chunk exists at a time.
+Log-probs and entropy are computed in float32 math with a hand-written
+backward pass: nothing float32 of size [N, V] is saved for backward.
 (``log_softmax`` under autograd keeps its float32 [N, V] output alive until
 backward, which for a 150k vocabulary is most of a GPU's memory at long
-sequence lengths.) ``compute_logprobs_and_entropy`` shares one softmax between
-the two, forward and backward.
+sequence lengths.) On CUDA, bf16/fp16/fp32 logits go through fused Triton
+kernels (``softmax_kernels``) that read the logits once forward and once
+backward and write the gradient in the logits' dtype; elsewhere, and for
+float64, torch ops run over float32 (float64) chunks of rows, so no float32
+copy of more than one chunk exists at a time. ``compute_logprobs_and_entropy``
+shares one softmax between the two, forward and backward.
 """
 
 from __future__ import annotations
@@ -62,57 +65,98 @@ def apply_temperature(logits: Tensor, temperature: float) -> Tensor:
     return logits if temperature == 1 else logits / temperature
 
 
+def _statistics_in_torch(
+    logits: Tensor, labels: Tensor | None, want_entropy: bool, rows: int
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Per row (log-sum-exp, log p(label), entropy) in float32 (float64 for float64) chunks of ``rows`` rows."""
+    logsumexp, picked, entropy = (
+        torch.zeros(logits.shape[0], dtype=_math_dtype(logits), device=logits.device) for _ in range(3)
+    )
+    for start in range(0, logits.shape[0], rows):
+        end = start + rows
+        chunk = _upcast(logits[start:end])
+        logsumexp[start:end] = torch.logsumexp(chunk, dim=-1)
+        if labels is not None:
+            picked[start:end] = chunk.gather(-1, labels[start:end, None]).squeeze(-1)
+        if want_entropy:
+            probs = (chunk - logsumexp[start:end, None]).exp_()
+            # H = logsumexp - E_p[logit]; a -inf logit has p = 0 and adds 0, not 0 * -inf
+            entropy[start:end] = logsumexp[start:end] - torch.linalg.vecdot(probs, torch.where(probs > 0, chunk, 0))
+    return logsumexp, picked - logsumexp, entropy
+
+
+def _gradient_in_torch(
+    logits: Tensor,
+    labels: Tensor | None,
+    logsumexp: Tensor,
+    entropy: Tensor,
+    grad_logprobs: Tensor | None,
+    grad_entropy: Tensor | None,
+    rows: int,
+) -> Tensor:
+    grad = torch.empty_like(logits)
+    for start in range(0, logits.shape[0], rows):
+        end = start + rows
+        log_probs = _upcast(logits[start:end]) - logsumexp[start:end, None]
+        probs = log_probs.exp()
+        # d log p_label / d logit_j = [j = label] - p_j;  dH / d logit_j = -p_j * (log p_j + H)
+        # so the total is -p_j * (g_logprob + g_entropy * (log p_j + H)) + g_logprob * [j = label]
+        coefficient = log_probs  # the buffer is reused: log_probs is not needed after this
+        if grad_entropy is None:
+            coefficient.zero_()
+        else:
+            coefficient.add_(entropy[start:end, None]).mul_(grad_entropy[start:end, None])
+        if grad_logprobs is not None:
+            coefficient.add_(grad_logprobs[start:end, None])
+        chunk_grad = coefficient.mul_(probs).neg_()
+        if grad_entropy is not None:
+            chunk_grad.masked_fill_(probs == 0, 0)  # p_j = 0 (a -inf logit) contributes 0, not 0 * -inf
+        if grad_logprobs is not None:
+            chunk_grad.scatter_add_(-1, labels[start:end, None], grad_logprobs[start:end, None])
+        grad[start:end] = chunk_grad
+    return grad
+
+
+def _fused(logits: Tensor) -> bool:
+    """The Triton kernels serve CUDA bf16/fp16/fp32; float64 and the CPU keep the exact torch path."""
+    return logits.is_cuda and logits.dtype in (torch.bfloat16, torch.float16, torch.float32)
+
+
 class _SoftmaxStatistics(torch.autograd.Function):
-    """Per row of ``logits``: log p(label) and/or the entropy, from one float32 pass per chunk of rows.
+    """Per row of ``logits``: log p(label) and/or the entropy, in float32 math, with a hand-written backward.
 
     Only the input logits and two numbers per row are saved for backward; the
-    softmax is recomputed chunk by chunk there. Asked for both, the log-prob
-    and entropy gradients are formed from a single recomputed softmax.
+    softmax is recomputed there. Asked for both, the log-prob and entropy
+    gradients are formed from a single recomputed softmax. ``fused`` runs the
+    Triton kernels (one read of the logits forward, one read and one write of
+    the gradient backward); else float32 torch ops run over chunks of ``rows``.
     """
 
     @staticmethod
-    def forward(ctx, logits: Tensor, labels: Tensor | None, want_entropy: bool, rows: int):
+    def forward(ctx, logits: Tensor, labels: Tensor | None, want_entropy: bool, rows: int, fused: bool):
         ctx.set_materialize_grads(False)
-        logsumexp, picked, entropy = (
-            torch.zeros(logits.shape[0], dtype=_math_dtype(logits), device=logits.device) for _ in range(3)
-        )
-        for start in range(0, logits.shape[0], rows):
-            end = start + rows
-            chunk = _upcast(logits[start:end])
-            logsumexp[start:end] = torch.logsumexp(chunk, dim=-1)
-            if labels is not None:
-                picked[start:end] = chunk.gather(-1, labels[start:end, None]).squeeze(-1)
-            if want_entropy:
-                probs = (chunk - logsumexp[start:end, None]).exp_()
-                # H = logsumexp - E_p[logit]
-                entropy[start:end] = logsumexp[start:end] - torch.linalg.vecdot(probs, chunk)
+        if fused:
+            from arctic_rl_core.processors.softmax_kernels import softmax_statistics
+
+            logits = logits if logits.stride(-1) == 1 else logits.contiguous()
+            logsumexp, logprobs, entropy = softmax_statistics(logits, labels, want_entropy)
+        else:
+            logsumexp, logprobs, entropy = _statistics_in_torch(logits, labels, want_entropy, rows)
         ctx.save_for_backward(logits, labels, logsumexp, entropy)
-        ctx.rows = rows
-        return picked - logsumexp, entropy
+        ctx.rows, ctx.fused = rows, fused
+        return logprobs, entropy
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_logprobs: Tensor | None, grad_entropy: Tensor | None):
         logits, labels, logsumexp, entropy = ctx.saved_tensors
-        grad = torch.empty_like(logits)
-        for start in range(0, logits.shape[0], ctx.rows):
-            end = start + ctx.rows
-            log_probs = _upcast(logits[start:end]) - logsumexp[start:end, None]
-            probs = log_probs.exp()
-            # d log p_label / d logit_j = [j = label] - p_j;  dH / d logit_j = -p_j * (log p_j + H)
-            # so the total is -p_j * (g_logprob + g_entropy * (log p_j + H)) + g_logprob * [j = label]
-            coefficient = log_probs  # the buffer is reused: log_probs is not needed after this
-            if grad_entropy is None:
-                coefficient.zero_()
-            else:
-                coefficient.add_(entropy[start:end, None]).mul_(grad_entropy[start:end, None])
-            if grad_logprobs is not None:
-                coefficient.add_(grad_logprobs[start:end, None])
-            chunk_grad = coefficient.mul_(probs).neg_()
-            if grad_logprobs is not None:
-                chunk_grad.scatter_add_(-1, labels[start:end, None], grad_logprobs[start:end, None])
-            grad[start:end] = chunk_grad
-        return grad, None, None, None
+        if ctx.fused:
+            from arctic_rl_core.processors.softmax_kernels import softmax_statistics_backward
+
+            grad = softmax_statistics_backward(logits, labels, logsumexp, entropy, grad_logprobs, grad_entropy)
+        else:
+            grad = _gradient_in_torch(logits, labels, logsumexp, entropy, grad_logprobs, grad_entropy, ctx.rows)
+        return grad, None, None, None, None
 
 
 def _check_rows(logits: Tensor) -> None:
@@ -126,18 +170,23 @@ def _check_labels(logits: Tensor, labels: Tensor) -> Tensor:
     return labels.long()
 
 
+def _statistics(logits: Tensor, labels: Tensor | None, want_entropy: bool, chunk_rows: int | None):
+    rows = _rows_per_chunk(logits.shape[-1], chunk_rows)
+    return _SoftmaxStatistics.apply(logits, labels, want_entropy, rows, _fused(logits))
+
+
 def compute_logprobs(logits: Tensor, labels: Tensor, *, chunk_rows: int | None = None) -> Tensor:
     """[N] float32 (float64 for float64 logits): log p(labels[n]) under softmax(logits[n]); differentiable."""
     _check_rows(logits)
     labels = _check_labels(logits, labels)
-    logprobs, _ = _SoftmaxStatistics.apply(logits, labels, False, _rows_per_chunk(logits.shape[-1], chunk_rows))
+    logprobs, _ = _statistics(logits, labels, False, chunk_rows)
     return logprobs
 
 
 def compute_entropy(logits: Tensor, *, chunk_rows: int | None = None) -> Tensor:
     """[N] float32 (float64 for float64 logits): entropy of softmax(logits[n]); differentiable."""
     _check_rows(logits)
-    _, entropy = _SoftmaxStatistics.apply(logits, None, True, _rows_per_chunk(logits.shape[-1], chunk_rows))
+    _, entropy = _statistics(logits, None, True, chunk_rows)
     return entropy
 
 
@@ -147,7 +196,7 @@ def compute_logprobs_and_entropy(
     """Both of the above from one pass over ``logits`` forward and one backward: use it when a loss needs both."""
     _check_rows(logits)
     labels = _check_labels(logits, labels)
-    return _SoftmaxStatistics.apply(logits, labels, True, _rows_per_chunk(logits.shape[-1], chunk_rows))
+    return _statistics(logits, labels, True, chunk_rows)
 
 
 # ---- the post registry ---------------------------------------------------------------------------------

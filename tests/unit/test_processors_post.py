@@ -1,6 +1,12 @@
-"""Post-processors: temperature, chunked log-probs and entropy, and the ``processing["post"]`` pipeline."""
+"""Post-processors: temperature, chunked log-probs and entropy, and the ``processing["post"]`` pipeline.
+
+The fused Triton kernels (CUDA's path for bf16/fp16/fp32) are checked against
+the torch path on CPU by Triton's interpreter: those checks run in a fresh
+Python with ``TRITON_INTERPRET=1`` (``tests.triton_interpreter``).
+"""
 
 import math
+import warnings
 
 import pytest
 import torch
@@ -11,8 +17,10 @@ from arctic_rl_core.processors import (
     compute_entropy,
     compute_logprobs,
     compute_logprobs_and_entropy,
+    post,
     resolve_post,
 )
+from tests.triton_interpreter import report, run_interpreted
 
 # softmax([0, ln 2, ln 3]) = [1/6, 2/6, 3/6]
 ROW = [0.0, math.log(2.0), math.log(3.0)]
@@ -144,6 +152,20 @@ def test_bf16_logprobs_are_computed_in_float32():
     torch.testing.assert_close(result, expected)
 
 
+def test_a_minus_inf_logit_adds_nothing_to_entropy_or_its_gradient():
+    finite = torch.tensor([[0.5, -1.0, 2.0]], dtype=torch.float64, requires_grad=True)
+    masked = torch.tensor([[0.5, float("-inf"), -1.0, 2.0]], dtype=torch.float64, requires_grad=True)
+    labels = torch.tensor([2])
+    logprob, entropy = compute_logprobs_and_entropy(finite, labels)
+    masked_logprob, masked_entropy = compute_logprobs_and_entropy(masked, labels + 1)
+    torch.testing.assert_close(masked_entropy, entropy)
+    torch.testing.assert_close(masked_logprob, logprob)
+    (logprob + entropy).sum().backward()
+    (masked_logprob + masked_entropy).sum().backward()
+    torch.testing.assert_close(masked.grad[0, [0, 2, 3]], finite.grad[0])
+    assert masked.grad[0, 1] == 0
+
+
 def test_compute_logprobs_rejects_mismatched_labels():
     with pytest.raises(ValueError, match=r"labels must have shape \[3\]"):
         compute_logprobs(torch.zeros(3, 5), torch.zeros(4, dtype=torch.long))
@@ -176,6 +198,131 @@ def test_unknown_post_processor_error_names_it_and_the_known_ones():
         resolve_post(["compute_logprobs", "top_k"])
 
 
+# ---- the fused Triton kernels, under the interpreter -----------------------------------------------------
+
+ROWS, VOCAB, BLOCK_V = 5, 1000, 256  # four tiles of 256, the last one partial
+
+
+def _logits(dtype, seed=0, rows=ROWS, vocab=VOCAB):
+    g = torch.Generator().manual_seed(seed)
+    return (3 * torch.randn(rows, vocab, generator=g)).to(dtype)
+
+
+def _labels(rows=ROWS, vocab=VOCAB):
+    return torch.tensor([0, vocab - 1, 3, vocab // 2, vocab - 2])[:rows]  # the first and last column included
+
+
+def _close(dtype):
+    # fp32: the same math in another order. bf16/fp16 gradients: also rounded once to the logits' dtype.
+    return dict(rtol=1e-5, atol=1e-6) if dtype == torch.float32 else dict(rtol=2**-7, atol=1e-6)
+
+
+def check_kernel_statistics_equal_the_torch_path(dtype, want_entropy, with_labels, block_v):
+    from arctic_rl_core.processors.softmax_kernels import softmax_statistics
+
+    logits, labels = _logits(dtype), _labels() if with_labels else None
+    logsumexp, logprobs, entropy = softmax_statistics(logits, labels, want_entropy, block_v=block_v)
+    expected = post._statistics_in_torch(logits, labels, want_entropy, rows=2)
+    for ours, theirs in zip((logsumexp, logprobs, entropy), expected):
+        assert ours.dtype == torch.float32
+        torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-6)
+
+
+def check_kernel_gradient_equals_the_torch_path(dtype, grad_logprobs, grad_entropy):
+    from arctic_rl_core.processors.softmax_kernels import softmax_statistics, softmax_statistics_backward
+
+    logits, labels = _logits(dtype), _labels()
+    g = torch.Generator().manual_seed(1)
+    g_logprobs = torch.randn(ROWS, generator=g) if grad_logprobs else None
+    g_entropy = torch.randn(ROWS, generator=g) if grad_entropy else None
+    logsumexp, _, entropy = softmax_statistics(logits, labels, True, block_v=BLOCK_V)
+    grad = softmax_statistics_backward(logits, labels, logsumexp, entropy, g_logprobs, g_entropy, block_v=BLOCK_V)
+    assert grad.dtype == dtype
+    # torch's float32 computation on the same (bf16) logits
+    expected = post._gradient_in_torch(logits.float(), labels, logsumexp, entropy, g_logprobs, g_entropy, rows=2)
+    torch.testing.assert_close(grad.float(), expected, **_close(dtype))
+
+
+def check_fused_autograd_equals_the_torch_path(dtype):
+    """Through autograd: log-prob only, entropy only, both; from non-contiguous logits."""
+    labels = _labels()
+    grads = {}
+    for fused in (True, False):
+        logits = _logits(dtype).t().contiguous().t().requires_grad_()  # column-major: stride(-1) != 1
+        logprobs, entropy = post._SoftmaxStatistics.apply(logits, labels, True, 2, fused)
+        weights = torch.randn(ROWS, generator=torch.Generator().manual_seed(2))
+        grads[fused] = [
+            torch.autograd.grad(loss, logits, retain_graph=True)[0].float()
+            for loss in ((logprobs * weights).sum(), (entropy * weights).sum(), (logprobs - entropy).sum())
+        ]
+        grads[fused].extend([logprobs.detach(), entropy.detach()])
+    for ours, theirs in zip(grads[True], grads[False]):
+        torch.testing.assert_close(ours, theirs, **_close(dtype))
+
+
+def check_minus_inf_logits_keep_entropy_and_gradients_finite():
+    from arctic_rl_core.processors.softmax_kernels import softmax_statistics, softmax_statistics_backward
+
+    logits, labels = _logits(torch.float32), _labels()
+    logits[:, 100:400] = float("-inf")  # a whole tile and parts of two more, as after top-k masking
+    logits[2, :BLOCK_V] = float("-inf")  # a row whose first tile is all -inf
+    logits[1, -1] = float("-inf")  # a -inf label: log p = -inf
+    logsumexp, logprobs, entropy = softmax_statistics(logits, labels, True, block_v=BLOCK_V)
+    assert torch.isfinite(entropy).all()
+    expected = post._statistics_in_torch(logits, labels, True, rows=2)
+    for ours, theirs in zip((logsumexp, logprobs, entropy), expected):
+        torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-6)
+    ones = torch.ones(ROWS)
+    grad = softmax_statistics_backward(logits, labels, logsumexp, entropy, ones, ones, block_v=BLOCK_V)
+    assert torch.isfinite(grad).all() and (grad[:, 100:400] == 0).all()
+    expected_grad = post._gradient_in_torch(logits, labels, logsumexp, entropy, ones, ones, rows=2)
+    torch.testing.assert_close(grad, expected_grad, rtol=1e-5, atol=1e-6)
+
+
+def check_no_rows_give_empty_results():
+    from arctic_rl_core.processors.softmax_kernels import softmax_statistics, softmax_statistics_backward
+
+    logits, labels = torch.zeros(0, VOCAB), torch.zeros(0, dtype=torch.long)
+    logsumexp, logprobs, entropy = softmax_statistics(logits, labels, True)
+    assert logprobs.shape == entropy.shape == (0,)
+    grad = softmax_statistics_backward(logits, labels, logsumexp, entropy, logprobs, entropy)
+    assert grad.shape == (0, VOCAB)
+
+
+KERNEL_CHECKS = {
+    **{
+        f"statistics[{str(d)[6:]},entropy={e},labels={lab},block={b}]": (
+            check_kernel_statistics_equal_the_torch_path, (d, e, lab, b)
+        )
+        for d in (torch.float32, torch.bfloat16, torch.float16)
+        for e, lab in ((True, True), (True, False), (False, True))
+        for b in (BLOCK_V, None)  # None: one tile of 1024, partly masked
+    },
+    **{
+        f"gradient[{str(d)[6:]},logprobs={lp},entropy={ent}]": (
+            check_kernel_gradient_equals_the_torch_path, (d, lp, ent)
+        )
+        for d in (torch.float32, torch.bfloat16)
+        for lp in (True, False)
+        for ent in (True, False)
+    },
+    "autograd[float32]": (check_fused_autograd_equals_the_torch_path, (torch.float32,)),
+    "autograd[bfloat16]": (check_fused_autograd_equals_the_torch_path, (torch.bfloat16,)),
+    "minus_inf_logits": (check_minus_inf_logits_keep_entropy_and_gradients_finite, ()),
+    "no_rows": (check_no_rows_give_empty_results, ()),
+}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def interpreted():
+    return run_interpreted(__file__)
+
+
+@pytest.mark.parametrize("name", KERNEL_CHECKS)
+def test_fused_kernel_under_the_interpreter_equals_the_torch_path(interpreted, name):
+    assert interpreted[name] == "ok", interpreted[name]
+
+
 @pytest.mark.parametrize(
     "entries, message",
     [
@@ -191,3 +338,8 @@ def test_unknown_post_processor_error_names_it_and_the_known_ones():
 def test_bad_post_entries_are_rejected_by_name(entries, message):
     with pytest.raises(PostProcessingError, match=message):
         resolve_post(entries)
+
+
+if __name__ == "__main__":
+    warnings.simplefilter("ignore", RuntimeWarning)  # numpy computes both sides of tl.where, 0 * -inf included
+    report(KERNEL_CHECKS)
