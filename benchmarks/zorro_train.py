@@ -1,8 +1,10 @@
 """ZoRRo Train on vs off: one GRPO-shaped forward+backward on the same model, in one run.
 
 Both sides run the same model, the same batch (G samples of one P-token prompt,
-R-token responses) and the same head and loss: the LM head on the selected rows
-only, in row chunks recomputed in backward, and a clipped policy-gradient loss.
+R-token responses) and the same head and loss, as the training engine does
+them: ``arctic_rl_core.engines.token_outputs.selected_logprobs`` (the LM head
+on the selected rows only, 1 GiB of logits at a time, recomputed in backward;
+fused log-prob kernels on CUDA), and a clipped policy-gradient loss.
 They differ only in how the selected hidden states are computed:
 - plain: ``arctic_rl_core.models.forward.selected_hidden_states``, the engine's
   padded forward (SDPA);
@@ -27,9 +29,9 @@ import time
 from dataclasses import dataclass
 
 import torch
-from torch.utils.checkpoint import checkpoint
 from transformers import AutoModelForCausalLM, Qwen2Config
 
+from arctic_rl_core.engines.token_outputs import selected_logprobs
 from arctic_rl_core.models.forward import lm_head
 from arctic_rl_core.models.forward import selected_hidden_states as plain_selected_hidden_states
 from arctic_rl_core.zorro import train as zorro_train
@@ -58,7 +60,6 @@ TINY = dict(
     rms_norm_eps=1e-6,
     tie_word_embeddings=True,
 )
-HEAD_CHUNK_ROWS = 1024
 CLIP = 0.2
 
 
@@ -99,20 +100,11 @@ def grpo_batch(case: Case, vocab: int, device: torch.device, seed: int = 0):
     return [t.to(device) for t in (input_ids, torch.ones_like(input_ids), select, targets, advantages)]
 
 
-def _chunk_loss(head, rows, targets, advantages):
-    logprobs = torch.log_softmax(head(rows).float(), dim=-1).gather(-1, targets[:, None]).squeeze(-1)
-    ratio = torch.exp(logprobs - logprobs.detach())
-    return -torch.minimum(ratio * advantages, ratio.clamp(1 - CLIP, 1 + CLIP) * advantages).sum()
-
-
 def grpo_like_loss(model, rows, targets, advantages, normalizer: int) -> torch.Tensor:
-    """Clipped policy-gradient loss; the [rows, vocab] logits live one chunk at a time, in forward and backward."""
-    head = lm_head(model)
-    total = rows.new_zeros((), dtype=torch.float32)
-    for i in range(0, len(rows), HEAD_CHUNK_ROWS):
-        part = slice(i, i + HEAD_CHUNK_ROWS)
-        total = total + checkpoint(_chunk_loss, head, rows[part], targets[part], advantages[part], use_reentrant=False)
-    return total / normalizer
+    """Clipped policy-gradient loss on the engine's log-probs of ``targets`` at the selected ``rows``."""
+    logprobs, _, _ = selected_logprobs(lm_head(model), rows, targets)
+    ratio = torch.exp(logprobs - logprobs.detach())
+    return -torch.minimum(ratio * advantages, ratio.clamp(1 - CLIP, 1 + CLIP) * advantages).sum() / normalizer
 
 
 def step(model, forward, batch, row_splits: int = 1) -> None:

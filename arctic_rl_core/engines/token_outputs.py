@@ -12,6 +12,7 @@ from typing import Callable, Literal
 
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from arctic_rl_core.models.forward import lm_head, selected_hidden_states
 
@@ -19,8 +20,8 @@ logger = logging.getLogger(__name__)
 
 EntropyMode = Literal["none", "metric", "grad"]
 
-# Rows of logits materialized at once when no gradient is needed ([rows, vocab] in float32).
-_NO_GRAD_CHUNK_ROWS = 4096
+# Logits materialized at once, in their own dtype (1 GiB: 3.5K rows of a 152K vocabulary in bf16).
+LOGIT_CHUNK_BYTES = 1 << 30
 
 
 @dataclass
@@ -51,8 +52,6 @@ def token_outputs(
     ``zorro`` (a ZorroTrainConfig) packs shared prefixes when enabled.
     ``top_k`` > 0 also returns the k most likely next tokens and their log-probs.
     """
-    from arctic_rl_core.processors import compute_entropy, compute_logprobs, compute_logprobs_and_entropy
-
     metrics: dict[str, tuple[float, float]] = {}
     if zorro is not None and zorro.enable:
         from arctic_rl_core.zorro.train import build_prefix_forest
@@ -69,38 +68,69 @@ def token_outputs(
         hidden = selected_hidden_states(model, input_ids, attention_mask, select)
     labels = torch.roll(input_ids, shifts=-1, dims=1)[select]
     head = lm_head(model)
-    grad = torch.is_grad_enabled()
-    chunk = max(1, hidden.shape[0]) if grad else _NO_GRAD_CHUNK_ROWS
-    logprob_rows, entropy_rows, top_rows = [], [], []
-    for start in range(0, max(hidden.shape[0], 1), chunk):
-        logits = head(hidden[start : start + chunk])
-        if post is not None:
-            logits = post(logits)
-        rows_labels = labels[start : start + chunk]
-        if entropy == "grad":
-            # One pass over the logits for both, forward and backward.
-            logprob, ent = compute_logprobs_and_entropy(logits, rows_labels)
-            logprob_rows.append(logprob)
-            entropy_rows.append(ent)
-        else:
-            logprob_rows.append(compute_logprobs(logits, rows_labels))
-        if entropy == "metric":
-            with torch.no_grad():
-                entropy_rows.append(compute_entropy(logits.detach()))
-        if top_k:
-            top_rows.append(torch.topk(logits.detach().float().log_softmax(-1), top_k, dim=-1))
-    logprobs = _scatter(torch.cat(logprob_rows), select)
-    ent = _scatter(torch.cat(entropy_rows), select) if entropy_rows else None
+    logprob_rows, entropy_rows, top = selected_logprobs(head, hidden, labels, post=post, entropy=entropy, top_k=top_k)
+    logprobs = _scatter(logprob_rows, select)
+    ent = _scatter(entropy_rows, select) if entropy_rows is not None else None
     out = TokenOutputs(logprobs, ent, metrics=metrics)
     if top_k:
         grid = (*select.shape, top_k)
-        values = torch.cat([t.values for t in top_rows])
-        indices = torch.cat([t.indices for t in top_rows])
+        values, indices = top
         out.top_logprobs = torch.zeros(grid, device=values.device).masked_scatter(select[..., None], values)
         out.top_ids = torch.zeros(grid, dtype=torch.long, device=values.device).masked_scatter(
             select[..., None], indices
         )
     return out
+
+
+def selected_logprobs(
+    head: nn.Module,
+    hidden: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    post: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    entropy: EntropyMode = "none",
+    top_k: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor | None, tuple[torch.Tensor, torch.Tensor] | None]:
+    """``[N]`` log-probs of ``labels`` under ``head(hidden)`` (entropy and top-k as ``token_outputs`` asks).
+
+    The [N, vocab] logits exist one chunk of rows at a time (``LOGIT_CHUNK_BYTES``).
+    Under autograd each chunk's head, transform and statistics are recomputed
+    in backward instead of kept (one extra head matmul): a GRPO batch of 16K
+    response tokens and a 152K vocabulary would otherwise hold 10 GB of bf16
+    logits and their gradient.
+    """
+    weight = getattr(head, "weight", None)
+    # ZeRO-3 partitions the weight; ``ds_shape`` keeps its full shape.
+    vocab = (getattr(weight, "ds_shape", None) or weight.shape)[0] if weight is not None else 1
+    rows = max(1, LOGIT_CHUNK_BYTES // (max(vocab, 1) * hidden.element_size()))
+    chunked = torch.is_grad_enabled() and hidden.shape[0] > rows
+    parts = []
+    for start in range(0, max(hidden.shape[0], 1), rows):
+        args = (head, hidden[start : start + rows], labels[start : start + rows], post, entropy, top_k)
+        parts.append(checkpoint(_chunk_outputs, *args, use_reentrant=False) if chunked else _chunk_outputs(*args))
+    logprobs = torch.cat([p[0] for p in parts])
+    ent = torch.cat([p[1] for p in parts]) if entropy != "none" else None
+    top = (torch.cat([p[2].values for p in parts]), torch.cat([p[2].indices for p in parts])) if top_k else None
+    return logprobs, ent, top
+
+
+def _chunk_outputs(head, hidden, labels, post, entropy: EntropyMode, top_k: int):
+    from arctic_rl_core.processors import compute_entropy, compute_logprobs, compute_logprobs_and_entropy
+
+    logits = head(hidden)
+    if post is not None:
+        logits = post(logits)
+    if entropy == "grad":
+        # One pass over the logits for both, forward and backward.
+        logprobs, ent = compute_logprobs_and_entropy(logits, labels)
+    else:
+        logprobs = compute_logprobs(logits, labels)
+        ent = None
+        if entropy == "metric":
+            with torch.no_grad():
+                ent = compute_entropy(logits.detach())
+    top = torch.topk(logits.detach().float().log_softmax(-1), top_k, dim=-1) if top_k else None
+    return logprobs, ent, top
 
 
 def _scatter(rows: torch.Tensor, select: torch.Tensor) -> torch.Tensor:
