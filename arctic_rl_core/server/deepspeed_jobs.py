@@ -44,6 +44,7 @@ class DeepSpeedJob(Job):
         self._tokenizer = None
         self.vocab_size: int | None = None  # from rank 0 at start
         self.max_positions: int | None = None
+        self.zero_stage = 0
 
     async def _create_workers(self) -> None:
         world = len(self.slots)
@@ -56,6 +57,7 @@ class DeepSpeedJob(Job):
         address = await self.workers[0].rendezvous_address.remote()
         infos = await asyncio.gather(*[w.setup.remote(*address) for w in self.workers])
         self.vocab_size, self.max_positions = infos[0]["vocab_size"], infos[0]["max_positions"]
+        self.zero_stage = infos[0]["zero_stage"]
 
     # ------------------------------------------------------------ batches
 
@@ -181,6 +183,8 @@ class TrainingJob(DeepSpeedJob):
         self._sync_version = 0
         # (sampling job, low_memory) of the open CUDA-IPC session, whose buffers the sampler keeps mapped.
         self._ipc_peer: tuple | None = None
+        # The sampling job whose replicas share a weight-sync group with our ranks (split placement).
+        self._coordinated_peer = None
 
     async def fwd_bwd(self, batch: Batch, processing: Processing | None) -> dict:
         from arctic_rl_core.processors import loss_mask_from_context, resolve_loss, validate_batch_context
@@ -247,6 +251,10 @@ class TrainingJob(DeepSpeedJob):
             loaded, buckets = await self._sync_ipc(sampling, low_memory)
             return {"status": "ok", "method": "cuda_ipc_low_memory" if low_memory else "cuda_ipc",
                     "buckets": buckets, "replicas": loaded, "seconds": time.perf_counter() - started}  # fmt: skip
+        if self.spec.split_weight_sync is not None:
+            loaded = await self._sync_coordinated(sampling)
+            return {"status": "ok", "method": "coordinator", "backend": "nccl" if self.spec.device == "cuda" else "gloo",
+                    "replicas": loaded, "seconds": time.perf_counter() - started}  # fmt: skip
         self._sync_version += 1
         directory = sync_root() / f"job{self.job_id}-{uuid.uuid4().hex[:8]}-v{self._sync_version}"
         try:
@@ -283,6 +291,34 @@ class TrainingJob(DeepSpeedJob):
             return loaded, counts[0]
         finally:
             await self.call_all("ipc_release", None)
+
+    async def _sync_coordinated(self, sampling) -> list:
+        """Split placement: every rank sends through the WeightSyncCoordinator while every replica receives.
+
+        The group (ranks + replicas) is formed at the first sync with a sampling
+        job and kept; under ZeRO-3 each rank sends its flat partitions and the
+        group gathers them bucket by bucket.
+        """
+        from arctic_rl_core.config import WeightSyncConfig
+
+        if self._coordinated_peer is not sampling:
+            user = self.spec.split_weight_sync
+            master_addr, port = await self.workers[0].rendezvous_address.remote()
+            config = WeightSyncConfig(
+                **{**user, "base_port": user.get("base_port", port)},  # a free port unless the user named one
+                training_sharding="fsdp" if self.zero_stage == 3 else "dp",
+                training_gpus=len(self.workers),
+                inference_replicas=len(sampling.workers),
+                inference_tp=1,  # one receiving worker per replica: its engine shards for its own TP
+            ).model_dump()
+            self._coordinated_peer = None
+            await asyncio.gather(
+                self.call_all("coordinator_open", config, master_addr),
+                sampling.open_coordinators(config, master_addr),
+            )
+            self._coordinated_peer = sampling
+        _, loaded = await asyncio.gather(self.call_all("coordinator_send"), sampling.load_coordinated())
+        return loaded
 
     async def _end_ipc_session(self) -> None:
         if self._ipc_peer is None:

@@ -207,6 +207,7 @@ class JobManager:
                 full_determinism=config.full_determinism,
                 allowed_loss_prefixes=self.allowed_loss_prefixes,
                 weight_sync_bucket_size=_weight_sync(config).bucket_size,
+                split_weight_sync=None if config.colocate else _weight_sync(config).model_dump(exclude_unset=True),
             )
             default = Processing(loss_fn=training.default_loss, config=training.default_loss_config)
             return TrainingJob(job_id, slots, threads, spec, default_processing=default)

@@ -139,6 +139,16 @@ class SamplingJob(Job):
         async with self.lock.exclusive():
             return await self.call_all("load_weights_from_file", directory)
 
+    async def open_coordinators(self, config: dict, master_addr: str) -> list[dict]:
+        """Every replica joins the training ranks' weight-sync group (split placement)."""
+        async with self.lock.exclusive():
+            return await self.call_all("coordinator_open", config, master_addr)
+
+    async def load_coordinated(self) -> list[dict]:
+        """Every replica receives one sync through its coordinator while the training ranks send."""
+        async with self.lock.exclusive():
+            return await self.call_all("load_coordinated")
+
     async def load_ipc(self, handles_by_rank: list[list]) -> list[dict]:
         """Replica r maps the buckets of training rank r (mod ranks): colocated, they share a GPU."""
         async with self.lock.exclusive():

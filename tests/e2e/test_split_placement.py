@@ -1,4 +1,5 @@
-"""Split placement on CPU stand-ins: ZeRO-3 training on 2 ranks, 2 load-balanced sampling replicas.
+"""Split placement on CPU stand-ins: ZeRO-3 training on 2 ranks, 2 load-balanced sampling replicas, weights
+synced through the WeightSyncCoordinator.
 
 The multi-GPU run (issue 9) uses the same code path with NCCL on real GPUs.
 """
@@ -27,7 +28,7 @@ def test_zero3_on_two_ranks_and_two_replicas_keep_weight_norms_equal_for_ten_cyc
             for cycle in range(10):
                 out = await split.fwd_bwd(sft_batch(rows=5, seed=cycle), {"loss_fn": "sft"})
                 await split.step()
-                await split.sync_weights()
+                sync = await split.sync_weights()
                 norms = await split.weight_norm()
                 gaps.append(
                     max(abs(n - norms["training_norm"]) for n in norms["sampling_norms"]) / norms["training_norm"]
@@ -35,11 +36,13 @@ def test_zero3_on_two_ranks_and_two_replicas_keep_weight_norms_equal_for_ten_cyc
                 losses.append(out["loss"])
             results = await split.generate(["a", "b", "c", "d"], {"max_tokens": 3, "temperature": 0.0})
             status = await split.status()
-            return gaps, losses, results, norms, status
+            return gaps, losses, results, norms, status, sync
         finally:
             await split.shutdown()
 
-    gaps, losses, results, norms, status = run(scenario())
+    gaps, losses, results, norms, status, sync = run(scenario())
+    # Split placement syncs through the WeightSyncCoordinator (gloo here, NCCL on GPUs), ZeRO-3 gathered.
+    assert (sync["method"], sync["backend"], len(sync["replicas"])) == ("coordinator", "gloo", 2), sync
     assert len(norms["sampling_norms"]) == 2
     assert max(gaps) < 1e-6
     assert all(torch.isfinite(torch.tensor(losses)))

@@ -10,6 +10,7 @@ call at a time. The job spreads load across replicas.
 
 from __future__ import annotations
 
+import functools
 import os
 import threading
 from typing import Iterable
@@ -36,6 +37,9 @@ class SamplingWorker:
         self._loop = EngineLoop(self.backend) if hasattr(self.backend, "add_request") else None
         self.weight_version = 0
         self._ipc_mappings = None
+        self._model_path = model_path
+        self._device = options.device
+        self._coordinator = None  # split placement's weight-sync group
 
     def _on_engine(self, fn):
         """Run ``fn(backend)`` where the backend may be touched: its loop thread, or under the lock."""
@@ -102,6 +106,36 @@ class SamplingWorker:
         count = self._on_engine(lambda _: self._ipc_mappings.forget()) if self._ipc_mappings is not None else 0
         return {"replica": self.replica, "unmapped": count}
 
+    def coordinator_open(self, config: dict, master_addr: str) -> dict:
+        """Join the training ranks' weight-sync group as replica ``self.replica`` (all members join at once)."""
+        from arctic_rl_core.config import WeightSyncConfig
+        from arctic_rl_core.weight_sync import InferenceTarget, WeightSyncCoordinator
+
+        self.coordinator_close()
+        self._coordinator = WeightSyncCoordinator(
+            WeightSyncConfig(**config), InferenceTarget(self.replica, 0), master_addr=master_addr, device=self._device
+        )
+        return {"replica": self.replica}
+
+    def load_coordinated(self) -> dict:
+        """Receive one sync through the coordinator, checked against the model's HF names and shapes, and load it."""
+        if self._coordinator is None:
+            raise RuntimeError("load_coordinated before coordinator_open")
+        expected = hf_parameter_shapes(self._model_path)
+
+        def load(backend) -> None:
+            backend.load_weights(self._coordinator.receive(expected))
+            backend.reset_prefix_cache()
+
+        self._on_engine(load)
+        self.weight_version += 1
+        return {"replica": self.replica, "weight_version": self.weight_version}
+
+    def coordinator_close(self) -> None:
+        if self._coordinator is not None:
+            self._coordinator.close()
+        self._coordinator = None
+
     def load_weights_from_file(self, directory: str) -> dict:
         from arctic_rl_core.weight_sync.file_sync import read_weights
 
@@ -124,3 +158,13 @@ class SamplingWorker:
         if self._loop is not None:
             self._loop.stop()
         self.backend.shutdown()
+
+
+@functools.cache
+def hf_parameter_shapes(model_path: str) -> dict[str, tuple[int, ...]]:
+    """{name: shape} of the HF model's parameters, as a training engine names them (tied weights once)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_path))
+    return {name: tuple(p.shape) for name, p in model.named_parameters()}

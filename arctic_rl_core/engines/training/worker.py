@@ -41,6 +41,8 @@ class WorkerSpec:
     allowed_loss_prefixes: tuple[str, ...] = ()
     threads: int | None = None
     weight_sync_bucket_size: int = 256 * 1024 * 1024
+    # Split placement: the user's WeightSyncConfig fields; syncs then go through the WeightSyncCoordinator.
+    split_weight_sync: dict | None = None
 
 
 @dataclass
@@ -63,6 +65,7 @@ class DeepSpeedWorker:
         self.device = configure_process(spec.device, spec.threads)
         self.engine = None
         self._ipc = self._ipc_session = None
+        self._coordinator = None  # split placement's weight-sync group, from the first sync on
 
     def rendezvous_address(self) -> tuple[str, int]:
         import ray
@@ -356,6 +359,37 @@ class DeepSpeedWorker:
     # -- CUDA IPC: the colocated sampler maps our buckets (our flat ZeRO-1/2 parameter buffers themselves,
     # or packed copies). An IPC session keeps plan, buffers and handles for later syncs until ipc_close,
     # which sleep calls.
+
+    # -- Split placement: the WeightSyncCoordinator (NCCL on GPU, gloo on CPU) to the sampling replicas.
+
+    def coordinator_open(self, config: dict, master_addr: str) -> None:
+        """Join the weight-sync group (every member at once: this is its rendezvous)."""
+        from arctic_rl_core.config import WeightSyncConfig
+        from arctic_rl_core.weight_sync import TrainingRank, WeightSyncCoordinator
+
+        self.coordinator_close()
+        self._coordinator = WeightSyncCoordinator(
+            WeightSyncConfig(**config), TrainingRank(self.rank), master_addr=master_addr, device=self.device
+        )
+
+    def coordinator_send(self) -> dict:
+        """This rank's part of a sync: whole parameters, or under ZeRO-3 its flat partitions (the group gathers)."""
+        from arctic_rl_core.weight_sync import FlatShard
+
+        if self._coordinator is None:
+            raise RuntimeError("coordinator_send before coordinator_open")
+        params = self.model.named_parameters()
+        if self._zero_stage == 3:
+            weights = [(name, FlatShard(p.ds_tensor.data, p.ds_shape)) for name, p in params]
+        else:
+            weights = [(name, p.data) for name, p in params]
+        self._coordinator.send(weights)
+        return {"rank": self.rank, "tensors": len(weights)}
+
+    def coordinator_close(self) -> None:
+        if self._coordinator is not None:
+            self._coordinator.close()
+        self._coordinator = None
 
     def ipc_open(self, bucket_size: int, low_memory: bool) -> int:
         """Plan flattened buckets over the (unchanged, on-GPU) parameters; return how many."""
