@@ -56,8 +56,27 @@ def test_sync_weights_makes_sampling_norm_equal_training_norm(client):
 
     before, sync, after = run(scenario())
     assert abs(before["training_norm"] - before["sampling_norm"]) / before["training_norm"] > 1e-6
-    assert sync["status"] == "ok" and sync["method"] == "file"
+    # The shared deployment is split (colocate=False): the WeightSyncCoordinator carries it, over gloo on CPU.
+    assert (sync["status"], sync["method"], sync["backend"]) == ("ok", "coordinator", "gloo")
     assert abs(after["training_norm"] - after["sampling_norm"]) / after["training_norm"] < 1e-6
+
+
+def test_colocated_sync_without_cuda_ipc_goes_through_files(client):
+    async def scenario():
+        colocated = create_arctic_rl_client(
+            remote_config(client, training_gpus=1, sampling_gpus=1, colocate=True, training_config=CPU_TRAINING)
+        )
+        try:
+            await colocated.fwd_bwd(sft_batch(), {"loss_fn": "sft"})
+            await colocated.step()
+            sync = await colocated.sync_weights(cuda_ipc=False)
+            return sync, await colocated.weight_norm()
+        finally:
+            await colocated.shutdown()
+
+    sync, norms = run(scenario())
+    assert (sync["status"], sync["method"]) == ("ok", "file")
+    assert abs(norms["training_norm"] - norms["sampling_norm"]) / norms["training_norm"] < 1e-6
 
 
 def test_log_probs_of_the_log_prob_engine_match_training_fwd_no_grad_on_the_same_text(client):
