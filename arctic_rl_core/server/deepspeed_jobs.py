@@ -185,6 +185,7 @@ class TrainingJob(DeepSpeedJob):
         self._ipc_peer: tuple | None = None
         # The sampling job whose replicas share a weight-sync group with our ranks (split placement).
         self._coordinated_peer = None
+        self._coordinated_lock = asyncio.Lock()
 
     async def fwd_bwd(self, batch: Batch, processing: Processing | None) -> dict:
         from arctic_rl_core.processors import loss_mask_from_context, resolve_loss, validate_batch_context
@@ -295,30 +296,32 @@ class TrainingJob(DeepSpeedJob):
     async def _sync_coordinated(self, sampling) -> list:
         """Split placement: every rank sends through the WeightSyncCoordinator while every replica receives.
 
-        The group (ranks + replicas) is formed at the first sync with a sampling
-        job and kept; under ZeRO-3 each rank sends its flat partitions and the
-        group gathers them bucket by bucket.
+        The group (ranks + replicas) is formed in the first sync with a sampling
+        job (a new one forms a new group) and kept; under ZeRO-3 each rank sends
+        its flat partitions and the group gathers them bucket by bucket. Syncs
+        run one at a time: two in one group would interleave their buckets.
         """
+        async with self._coordinated_lock:
+            group = None if self._coordinated_peer is sampling else await self._group_for(sampling)
+            self._coordinated_peer = None  # until this sync has formed the group and gone through
+            _, loaded = await asyncio.gather(self.call_all("coordinator_send", group), sampling.load_coordinated(group))
+            self._coordinated_peer = sampling
+            return loaded
+
+    async def _group_for(self, sampling) -> tuple[dict, str]:
+        """The WeightSyncConfig and rendezvous address of a group of our ranks and ``sampling``'s replicas."""
         from arctic_rl_core.config import WeightSyncConfig
 
-        if self._coordinated_peer is not sampling:
-            user = self.spec.split_weight_sync
-            master_addr, port = await self.workers[0].rendezvous_address.remote()
-            config = WeightSyncConfig(
-                **{**user, "base_port": user.get("base_port", port)},  # a free port unless the user named one
-                training_sharding="fsdp" if self.zero_stage == 3 else "dp",
-                training_gpus=len(self.workers),
-                inference_replicas=len(sampling.workers),
-                inference_tp=1,  # one receiving worker per replica: its engine shards for its own TP
-            ).model_dump()
-            self._coordinated_peer = None
-            await asyncio.gather(
-                self.call_all("coordinator_open", config, master_addr),
-                sampling.open_coordinators(config, master_addr),
-            )
-            self._coordinated_peer = sampling
-        _, loaded = await asyncio.gather(self.call_all("coordinator_send"), sampling.load_coordinated())
-        return loaded
+        user = self.spec.split_weight_sync
+        master_addr, port = await self.workers[0].rendezvous_address.remote()
+        config = WeightSyncConfig(
+            **{**user, "base_port": user.get("base_port", port)},  # a free port unless the user named one
+            training_sharding="fsdp" if self.zero_stage == 3 else "dp",
+            training_gpus=len(self.workers),
+            inference_replicas=len(sampling.workers),
+            inference_tp=1,  # one receiving worker per replica: its engine shards for its own TP
+        )
+        return config.model_dump(), master_addr
 
     async def _end_ipc_session(self) -> None:
         if self._ipc_peer is None:

@@ -139,15 +139,13 @@ class SamplingJob(Job):
         async with self.lock.exclusive():
             return await self.call_all("load_weights_from_file", directory)
 
-    async def open_coordinators(self, config: dict, master_addr: str) -> list[dict]:
-        """Every replica joins the training ranks' weight-sync group (split placement)."""
-        async with self.lock.exclusive():
-            return await self.call_all("coordinator_open", config, master_addr)
+    async def load_coordinated(self, group: tuple[dict, str] | None) -> list[dict]:
+        """Every replica receives one sync through its coordinator while the training ranks send.
 
-    async def load_coordinated(self) -> list[dict]:
-        """Every replica receives one sync through its coordinator while the training ranks send."""
+        ``group`` (config, rendezvous address) first forms a new weight-sync group.
+        """
         async with self.lock.exclusive():
-            return await self.call_all("load_coordinated")
+            return await self.call_all("load_coordinated", group)
 
     async def load_ipc(self, handles_by_rank: list[list]) -> list[dict]:
         """Replica r maps the buckets of training rank r (mod ranks): colocated, they share a GPU."""

@@ -106,21 +106,24 @@ class SamplingWorker:
         count = self._on_engine(lambda _: self._ipc_mappings.forget()) if self._ipc_mappings is not None else 0
         return {"replica": self.replica, "unmapped": count}
 
-    def coordinator_open(self, config: dict, master_addr: str) -> dict:
-        """Join the training ranks' weight-sync group as replica ``self.replica`` (all members join at once)."""
+    def load_coordinated(self, group: tuple[dict, str] | None) -> dict:
+        """Receive one sync through the weight-sync group, checked against the model's HF names and shapes.
+
+        ``group`` (config, rendezvous address) first joins a new group as replica
+        ``self.replica``; every member joins at once, this being its rendezvous.
+        """
         from arctic_rl_core.config import WeightSyncConfig
         from arctic_rl_core.weight_sync import InferenceTarget, WeightSyncCoordinator
 
-        self.coordinator_close()
-        self._coordinator = WeightSyncCoordinator(
-            WeightSyncConfig(**config), InferenceTarget(self.replica, 0), master_addr=master_addr, device=self._device
-        )
-        return {"replica": self.replica}
-
-    def load_coordinated(self) -> dict:
-        """Receive one sync through the coordinator, checked against the model's HF names and shapes, and load it."""
+        if group is not None:
+            self.coordinator_close()
+            config, master_addr = group
+            self._coordinator = WeightSyncCoordinator(
+                WeightSyncConfig(**config), InferenceTarget(self.replica, 0), master_addr=master_addr,
+                device=self._device,
+            )  # fmt: skip
         if self._coordinator is None:
-            raise RuntimeError("load_coordinated before coordinator_open")
+            raise RuntimeError("load_coordinated without a weight-sync group")
         expected = hf_parameter_shapes(self._model_path)
 
         def load(backend) -> None:

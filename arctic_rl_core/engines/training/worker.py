@@ -362,22 +362,23 @@ class DeepSpeedWorker:
 
     # -- Split placement: the WeightSyncCoordinator (NCCL on GPU, gloo on CPU) to the sampling replicas.
 
-    def coordinator_open(self, config: dict, master_addr: str) -> None:
-        """Join the weight-sync group (every member at once: this is its rendezvous)."""
+    def coordinator_send(self, group: tuple[dict, str] | None) -> dict:
+        """This rank's part of a sync: whole parameters, or under ZeRO-3 its flat partitions (the group gathers).
+
+        ``group`` (config, rendezvous address) first joins a new weight-sync
+        group; every member joins at once, this being its rendezvous.
+        """
         from arctic_rl_core.config import WeightSyncConfig
-        from arctic_rl_core.weight_sync import TrainingRank, WeightSyncCoordinator
+        from arctic_rl_core.weight_sync import FlatShard, TrainingRank, WeightSyncCoordinator
 
-        self.coordinator_close()
-        self._coordinator = WeightSyncCoordinator(
-            WeightSyncConfig(**config), TrainingRank(self.rank), master_addr=master_addr, device=self.device
-        )
-
-    def coordinator_send(self) -> dict:
-        """This rank's part of a sync: whole parameters, or under ZeRO-3 its flat partitions (the group gathers)."""
-        from arctic_rl_core.weight_sync import FlatShard
-
+        if group is not None:
+            self.coordinator_close()
+            config, master_addr = group
+            self._coordinator = WeightSyncCoordinator(
+                WeightSyncConfig(**config), TrainingRank(self.rank), master_addr=master_addr, device=self.device
+            )
         if self._coordinator is None:
-            raise RuntimeError("coordinator_send before coordinator_open")
+            raise RuntimeError("coordinator_send without a weight-sync group")
         params = self.model.named_parameters()
         if self._zero_stage == 3:
             weights = [(name, FlatShard(p.ds_tensor.data, p.ds_shape)) for name, p in params]
