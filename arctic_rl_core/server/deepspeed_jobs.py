@@ -312,14 +312,18 @@ class TrainingJob(DeepSpeedJob):
         """The WeightSyncConfig and rendezvous address of a group of our ranks and ``sampling``'s replicas."""
         from arctic_rl_core.config import WeightSyncConfig
 
-        user = self.spec.split_weight_sync
         master_addr, port = await self.workers[0].rendezvous_address.remote()
+        # The user's bucket size, timeout and port (a free one unless named); the topology is the deployment's,
+        # whatever weight_sync_config says of it.
         config = WeightSyncConfig(
-            **{**user, "base_port": user.get("base_port", port)},  # a free port unless the user named one
-            training_sharding="fsdp" if self.zero_stage == 3 else "dp",
-            training_gpus=len(self.workers),
-            inference_replicas=len(sampling.workers),
-            inference_tp=1,  # one receiving worker per replica: its engine shards for its own TP
+            **{
+                "base_port": port,
+                **self.spec.split_weight_sync,
+                "training_sharding": "fsdp" if self.zero_stage == 3 else "dp",
+                "training_gpus": len(self.workers),
+                "inference_replicas": len(sampling.workers),
+                "inference_tp": 1,  # one receiving worker per replica: its engine shards for its own TP
+            }
         )
         return config.model_dump(), master_addr
 

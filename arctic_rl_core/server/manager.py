@@ -196,6 +196,7 @@ class JobManager:
             training = TrainingConfig.model_validate(
                 {**(config.ds_worker_config or {}), **(config.training_config or {})}
             )
+            weight_sync = _weight_sync(config)
             spec = WorkerSpec(
                 model_name=config.model_name,
                 device=device,
@@ -206,8 +207,8 @@ class JobManager:
                 seed=config.seed,
                 full_determinism=config.full_determinism,
                 allowed_loss_prefixes=self.allowed_loss_prefixes,
-                weight_sync_bucket_size=_weight_sync(config).bucket_size,
-                split_weight_sync=None if config.colocate else _weight_sync(config).model_dump(exclude_unset=True),
+                weight_sync_bucket_size=weight_sync.bucket_size,
+                split_weight_sync=None if config.colocate else weight_sync.model_dump(exclude_unset=True),
             )
             default = Processing(loss_fn=training.default_loss, config=training.default_loss_config)
             return TrainingJob(job_id, slots, threads, spec, default_processing=default)
