@@ -24,9 +24,12 @@ micro-batches instead of one). On CUDA also where the kernel time goes.
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
 import time
+import warnings
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from transformers import AutoModelForCausalLM, Qwen2Config
@@ -178,6 +181,24 @@ def kernel_profile(model, forward, batch) -> tuple[dict[str, float], list[tuple[
     return totals, sorted(kernels, reverse=True)
 
 
+def sync_sites(model, forward, batch) -> collections.Counter:
+    """Where one step makes the host wait for the GPU (file:line -> count), from CUDA's sync debug mode.
+
+    A wait in the middle of a step empties the queue the host has built up, so a
+    step of many small kernels then runs at the host's pace.
+    """
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            step(model, forward, batch)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return collections.Counter(
+        f"{Path(w.filename).name}:{w.lineno}" for w in caught if "synchronizing" in str(w.message)
+    )
+
+
 def set_checkpointing(model, on: bool) -> None:
     if on:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -214,7 +235,7 @@ def run_case(model, case: Case, device, warmup: int, iters: int, profile: bool, 
     )
     print(f"   {plain_label:<58}: {plain_s * 1e3:8.1f} ms  {memory(plain_mem)}")
     if profile:
-        print_profile("plain", *kernel_profile(model, plain_selected_hidden_states, batch), top)
+        print_profile(model, "plain", plain_selected_hidden_states, batch, top)
 
     for i, checkpointing in enumerate(case.zorro_checkpointing):
         set_checkpointing(model, checkpointing)
@@ -241,7 +262,7 @@ def run_case(model, case: Case, device, warmup: int, iters: int, profile: bool, 
             else f"      gradient rel. diff vs plain: {diff:.2e} (plain 2 micro-batches vs 1: {noise:.2e})"
         )
         if profile:
-            print_profile("zorro", *kernel_profile(model, zorro, batch), top)
+            print_profile(model, "zorro", zorro, batch, top)
     model.zero_grad(set_to_none=True)
 
 
@@ -249,11 +270,15 @@ def memory(gb: float | None) -> str:
     return f"peak {gb:6.2f} GB" if gb is not None else "peak n/a (CPU)"
 
 
-def print_profile(side: str, totals: dict[str, float], kernels: list[tuple[float, str]], top: int) -> None:
+def print_profile(model, side: str, forward, batch, top: int) -> None:
+    totals, kernels = kernel_profile(model, forward, batch)
     parts = ", ".join(f"{k} {v:.1f}" for k, v in totals.items())
     print(f"      CUDA kernel ms in one {side} step: {parts}; total {sum(totals.values()):.1f}")
     for ms, name in kernels[:top]:
         print(f"        {ms:8.2f} ms  {name[:110]}")
+    sites = sync_sites(model, forward, batch)
+    waits = ", ".join(f"{site} x{n}" for site, n in sites.most_common()) or "none"
+    print(f"      host waits for the GPU in one {side} step ({sum(sites.values())}): {waits}")
 
 
 def main() -> None:

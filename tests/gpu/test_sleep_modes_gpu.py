@@ -58,7 +58,7 @@ def deployment(request, tmp_path_factory):
             model_name=str(model), comm_protocol="ray", training_gpus=1, colocate=True, ray_auto_attach=False,
             ds_config={"zero_optimization": {"stage": request.param}},
             training_config={"dtype": "bfloat16", "optimizer": {"lr": 1e-5}},
-            startup_timeout=300, job_ready_timeout=600, server_logs=False,
+            startup_timeout=300, job_ready_timeout=300, server_logs=True,
         )
     )  # fmt: skip
 

@@ -44,7 +44,7 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMa
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from arctic_rl_core.models.forward import decoder_body
-from arctic_rl_core.zorro.train.forest import PrefixForest
+from arctic_rl_core.zorro.train.forest import PrefixForest, to_device
 from arctic_rl_core.zorro.train.split_attention import (
     CudnnOps,
     FlashVarlenOps,
@@ -101,9 +101,7 @@ class VarlenLayout:
         )
 
     def to(self, device: torch.device) -> VarlenLayout:
-        return VarlenLayout(
-            self.key_index.to(device), self.cu_seq_q.to(device), self.cu_seq_k.to(device), self.max_q, self.max_k
-        )
+        return VarlenLayout(*to_device(device, self.key_index, self.cu_seq_q, self.cu_seq_k), self.max_q, self.max_k)
 
 
 class ForestAttention:
@@ -114,9 +112,9 @@ class ForestAttention:
             raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
         token_ids, positions, subtree_end = _pad_for_kernel(forest, kernel)
         self.kernel = kernel
-        self.token_ids = token_ids.to(device)
-        self.positions = positions.to(device)
-        self.subtree_end = subtree_end.to(device)
+        self.token_ids, self.positions, self.subtree_end, self.select_index = to_device(
+            device, token_ids, positions, subtree_end, forest.select_index
+        )
         self.max_position = int(forest.positions.max())
         self._forest = forest
         # Both varlen layouts are built on first use: a forward takes one of them, not both.

@@ -26,6 +26,17 @@ import numpy as np
 import torch
 
 
+def to_device(device: torch.device, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Host-built layout tensors on ``device`` without waiting for the GPU.
+
+    A plain ``.to(device)`` from pageable memory synchronizes the stream; in the
+    middle of a forward that drains the queue the host has built up, and a small
+    packed batch then runs at the host's pace. ``non_blocking`` stages the bytes
+    and returns (the tensors here are never written afterwards).
+    """
+    return tuple(t.to(device, non_blocking=True) for t in tensors)
+
+
 @dataclass(frozen=True)
 class ForestNode:
     """A run of tokens shared by the same set of rows."""

@@ -83,4 +83,4 @@ def packed_selected_hidden_states(
         use_cache=False,
         **{FOREST_ATTENTION_KWARG: attention},
     )
-    return out.last_hidden_state[0, forest.select_index.to(device)]
+    return out.last_hidden_state[0, attention.select_index]

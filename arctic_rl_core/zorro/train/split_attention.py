@@ -34,7 +34,7 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
-from arctic_rl_core.zorro.train.forest import PrefixForest
+from arctic_rl_core.zorro.train.forest import PrefixForest, to_device
 
 
 @dataclass(frozen=True)
@@ -69,8 +69,7 @@ class Pass:
 
     def to(self, device: torch.device) -> Pass:
         return Pass(
-            self.q_index.to(device), self.k_index.to(device), self.cu_q.to(device), self.cu_k.to(device),
-            self.max_q, self.max_k, self.causal, self.bounds,
+            *to_device(device, self.q_index, self.k_index, self.cu_q, self.cu_k), self.max_q, self.max_k, self.causal, self.bounds,
         )  # fmt: skip
 
 
