@@ -53,6 +53,7 @@ def token_outputs(
     ``top_k`` > 0 also returns the k most likely next tokens and their log-probs.
     """
     metrics: dict[str, tuple[float, float]] = {}
+    labels = torch.roll(input_ids, shifts=-1, dims=1)[select]  # before the forward: it waits for the GPU
     if zorro is not None and zorro.enable:
         from arctic_rl_core.zorro.train import build_prefix_forest
         from arctic_rl_core.zorro.train import selected_hidden_states as packed_hidden_states
@@ -66,7 +67,6 @@ def token_outputs(
         metrics["zorro_train/dedup_ratio"] = (float(stats.tokens_real), float(max(stats.tokens_packed, 1)))
     else:
         hidden = selected_hidden_states(model, input_ids, attention_mask, select)
-    labels = torch.roll(input_ids, shifts=-1, dims=1)[select]
     head = lm_head(model)
     logprob_rows, entropy_rows, top = selected_logprobs(head, hidden, labels, post=post, entropy=entropy, top_k=top_k)
     logprobs = _scatter(logprob_rows, select)

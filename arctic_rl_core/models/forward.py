@@ -38,10 +38,13 @@ def selected_hidden_states(
     model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, select: torch.Tensor
 ) -> torch.Tensor:
     """Final hidden states at ``select`` (a [B, T] bool mask), as [N, H] rows in row-major order."""
+    # Found before the forward: a boolean index makes the host wait for the GPU, and after
+    # the forward that wait would empty the queue the backward is about to need.
+    rows = select.flatten().nonzero().squeeze(1)
     out = decoder_body(model)(
         input_ids=input_ids,
         attention_mask=attention_mask,
         position_ids=position_ids_from_mask(attention_mask),
         use_cache=False,
     )
-    return out.last_hidden_state[select]
+    return out.last_hidden_state.flatten(0, 1).index_select(0, rows)

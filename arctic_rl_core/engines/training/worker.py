@@ -162,9 +162,9 @@ class DeepSpeedWorker:
         entropy_mode = "grad" if spec.needs_entropy(config) else "metric"
         mb_spec = self.spec.training.mb_spec
         parts = micro_batches(batch, mb_spec.max_tokens_per_mb, mb_spec.n_mbs or 1) if batch.rows else []
-        sums: dict[str, list[float]] = {}
-        maxima: dict[str, float] = {}
-        loss_total = 0.0
+        sums: dict[str, list] = {}  # name -> [total, weight], floats or device scalars
+        maxima: dict[str, list] = {}
+        loss_total: float | torch.Tensor = 0.0
         self.engine.train()
         # A rank with no rows still joins the gradient all-reduce, with a zero loss on a dummy row.
         for index, part in enumerate(parts or [None]):
@@ -189,25 +189,29 @@ class DeepSpeedWorker:
                     config,
                 )
                 loss = result.loss
-                for name, (total, weight) in result.metrics.items():
+                # Metrics stay on the device until every backward is queued: reading one
+                # here would make the host wait for the forward and leave the GPU idle
+                # while the backward's kernels are issued.
+                for name, (total, weight) in (*result.metrics.items(), *out.metrics.items()):
                     acc = sums.setdefault(name, [0.0, 0.0])
-                    acc[0] += float(total)
-                    acc[1] += float(weight)
+                    acc[0] = acc[0] + _detached(total)
+                    acc[1] = acc[1] + _detached(weight)
                 for name, value in result.maxima.items():
-                    maxima[name] = max(maxima.get(name, float("-inf")), float(value))
-                for name, (total, weight) in out.metrics.items():
-                    acc = sums.setdefault(name, [0.0, 0.0])
-                    acc[0] += total
-                    acc[1] += weight
+                    maxima.setdefault(name, []).append(_detached(value))
                 if out.entropy is not None and "entropy" not in result.metrics:
                     acc = sums.setdefault("entropy", [0.0, 0.0])
-                    acc[0] += float((out.entropy.detach() * part.loss_mask).sum())
-                    acc[1] += float(part.loss_mask.sum())
-            loss_total += float(loss.detach())
+                    acc[0] = acc[0] + (out.entropy.detach() * part.loss_mask).sum()
+                    acc[1] = acc[1] + part.loss_mask.sum()
+            loss_total = loss_total + loss.detach()
             # DeepSpeed averages gradients over ranks; our shares sum to the global loss.
             self.engine.backward(loss * self.world_size)
             self._pending_micro_batches += 1
-        return {"loss": loss_total, "sums": sums, "maxima": maxima, "micro_batches": len(parts)}
+        return {
+            "loss": float(loss_total),
+            "sums": {name: [float(total), float(weight)] for name, (total, weight) in sums.items()},
+            "maxima": {name: max(float(v) for v in values) for name, values in maxima.items()},
+            "micro_batches": len(parts),
+        }
 
     def _dummy_loss(self) -> torch.Tensor:
         ids = torch.zeros(1, 2, dtype=torch.long, device=self.device)
@@ -510,3 +514,8 @@ class DeepSpeedWorker:
 
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _detached(value):
+    """A metric term as it is: a float stays one, a tensor leaves the graph and stays on its device."""
+    return value.detach() if isinstance(value, torch.Tensor) else value
