@@ -83,3 +83,23 @@ def test_varlen_flash_kernel_matches_the_dense_forest_attention_and_its_gradient
 
     for name, got, want in zip(("out", "dq", "dk", "dv"), (out, *grads), (reference, *reference_grads)):
         torch.testing.assert_close(got.float(), want, rtol=2e-2, atol=2e-2 * want.abs().max().item(), msg=name)
+
+
+@pytest.mark.parametrize("split", [False, True], ids=["gathered", "cudnn-split"])
+def test_packed_forward_and_backward_never_make_the_host_wait(tmp_path, split, monkeypatch):
+    """Once the forest is planned, a step queues all its work: a wait would drain the GPU's queue mid-step."""
+    monkeypatch.setattr(zorro_attention, "SPLIT_MIN_PAIRS", 0 if split else 1 << 62)
+    path = build_tiny_model(tmp_path / "qwen2", TinySpec(family="qwen2"))
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).cuda()
+    forest = build_prefix_forest(*forest_batch(torch.device("cpu")))
+    from arctic_rl_core.zorro.train.forward import packed_selected_hidden_states
+
+    packed_selected_hidden_states(model, forest, torch.device("cuda"), "varlen").float().sum().backward()  # warm
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        rows = packed_selected_hidden_states(model, forest, torch.device("cuda"), "varlen")
+        rows.float().square().sum().backward()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert rows.shape[0] == int(forest.select_index.numel())
