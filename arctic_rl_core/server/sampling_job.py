@@ -26,17 +26,23 @@ SLEEP_TAGS = ("weights", "kv_cache")
 
 
 class SharedExclusiveLock:
-    """Many shared holders (generate) or one exclusive holder (weight load, sleep, wake)."""
+    """Many shared holders (generate) or one exclusive holder (weight load, sleep, wake).
+
+    A waiting exclusive caller goes first: shared callers that arrive after it
+    queue behind it. Otherwise rollouts that never pause (async RL keeps some
+    generate call in flight at every instant) would starve a weight sync forever.
+    """
 
     def __init__(self):
         self._shared = 0
         self._exclusive = False
+        self._exclusive_waiting = 0
         self._changed = asyncio.Condition()
 
     @contextlib.asynccontextmanager
     async def shared(self):
         async with self._changed:
-            await self._changed.wait_for(lambda: not self._exclusive)
+            await self._changed.wait_for(lambda: not self._exclusive and not self._exclusive_waiting)
             self._shared += 1
         try:
             yield
@@ -48,7 +54,12 @@ class SharedExclusiveLock:
     @contextlib.asynccontextmanager
     async def exclusive(self):
         async with self._changed:
-            await self._changed.wait_for(lambda: not self._exclusive and self._shared == 0)
+            self._exclusive_waiting += 1
+            try:
+                await self._changed.wait_for(lambda: not self._exclusive and self._shared == 0)
+            finally:
+                self._exclusive_waiting -= 1
+                self._changed.notify_all()  # a cancelled waiter lets the shared callers it held back go
             self._exclusive = True
         try:
             yield
