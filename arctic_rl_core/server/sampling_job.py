@@ -57,9 +57,11 @@ class SharedExclusiveLock:
             self._exclusive_waiting += 1
             try:
                 await self._changed.wait_for(lambda: not self._exclusive and self._shared == 0)
+            except BaseException:
+                self._changed.notify_all()  # a cancelled waiter lets the shared callers it held back go
+                raise
             finally:
                 self._exclusive_waiting -= 1
-                self._changed.notify_all()  # a cancelled waiter lets the shared callers it held back go
             self._exclusive = True
         try:
             yield

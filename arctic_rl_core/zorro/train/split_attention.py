@@ -68,9 +68,8 @@ class Pass:
         )
 
     def to(self, device: torch.device) -> Pass:
-        return Pass(
-            *to_device(device, self.q_index, self.k_index, self.cu_q, self.cu_k), self.max_q, self.max_k, self.causal, self.bounds,
-        )  # fmt: skip
+        tensors = to_device(device, self.q_index, self.k_index, self.cu_q, self.cu_k)
+        return Pass(*tensors, self.max_q, self.max_k, self.causal, self.bounds)
 
 
 @dataclass(frozen=True)
