@@ -39,6 +39,10 @@ class JobNotReady(ArcticRLError):
     status = 409
 
 
+class EngineAsleep(BadRequest):
+    """The call needs state that ``sleep_*`` moved off the device: wake the engine first."""
+
+
 class PayloadTooLarge(ValueError):
     status = 413
 

@@ -72,24 +72,34 @@ def deployment(request, tmp_path_factory):
 
 
 async def _sleep_and_wake(client, mode: str) -> tuple[int, int]:
-    """Bytes freed by ``sleep_training(mode)`` and bytes taken back by ``wake_training``, device-wide."""
+    """Bytes freed by ``sleep_training(mode)`` and bytes taken back by ``wake_training``, device-wide.
+
+    "non_lp+lp_params" is the seeds' CUDA-IPC order: two calls that together put everything to sleep.
+    """
     await client.empty_training_cache()  # the last step's activations are cached blocks, not state
     awake = used_bytes()
     norm = (await client.weight_norm())["training_norm"]
-    await client.sleep_training(mode=mode)
+    for part in mode.split("+"):
+        await client.sleep_training(mode=part)
     asleep = used_bytes()
+    assert (await client.weight_norm())["training_norm"] == norm  # read from host memory while asleep
+    with pytest.raises(ValueError, match="wake_training"):
+        await client.fwd_bwd(_batch(), GRPO)  # refused, not run on weights that are not there
     await client.wake_training()
     await client.empty_training_cache()
+    woke = used_bytes() - asleep  # before the norm below, whose temporaries stay cached
     assert (await client.weight_norm())["training_norm"] == norm  # nothing lost on the round trip
-    return awake - asleep, used_bytes() - asleep
+    return awake - asleep, woke
 
 
 def test_each_sleep_mode_frees_its_states_and_wake_restores_them(deployment):
     client, parameters = deployment
     lp, hp_and_moments = 2 * parameters, 12 * parameters
 
-    async def run() -> tuple[dict, dict]:
-        memory = {mode: await _sleep_and_wake(client, mode) for mode in ("lp_params", "non_lp", "all")}
+    async def run() -> tuple[list, dict]:
+        # lp_params twice: a second round trip frees the same (nothing stays behind, nothing grows).
+        modes = ("lp_params", "non_lp", "all", "non_lp+lp_params", "lp_params")
+        memory = [(mode, *await _sleep_and_wake(client, mode)) for mode in modes]
         # Training goes on after the round trips: the optimizer found its state again.
         metrics = await client.fwd_bwd(_batch(), GRPO)
         await client.step()
@@ -97,14 +107,16 @@ def test_each_sleep_mode_frees_its_states_and_wake_restores_them(deployment):
 
     memory, metrics = asyncio.run(run())
     print(f"P={parameters}: " + ", ".join(f"{m} freed {f / 2**20:.0f} MiB, woke {w / 2**20:.0f} MiB"
-                                          for m, (f, w) in memory.items()))  # fmt: skip
-    freed = {mode: f for mode, (f, _) in memory.items()}
+                                          for m, f, w in memory))  # fmt: skip
+    freed = {mode: f for mode, f, _ in reversed(memory)}  # the first round trip of each mode
     # lp_params: the bf16 weights, and not the fp32 state.
     assert 0.9 * lp <= freed["lp_params"] <= 1.1 * lp + (64 << 20)
+    assert abs(memory[-1][1] - freed["lp_params"]) <= 0.05 * lp
     # non_lp: the fp32 masters and moments, while the bf16 weights stay (a weight sync reads them).
     assert freed["non_lp"] >= 0.95 * hp_and_moments
     assert freed["all"] - freed["non_lp"] >= 0.9 * lp
+    assert abs(freed["non_lp+lp_params"] - freed["all"]) <= 0.05 * freed["all"]
     # Waking takes back what sleeping freed, within allocator rounding.
-    for mode, (gone, back) in memory.items():
+    for mode, gone, back in memory:
         assert abs(back - gone) <= 0.05 * gone + (64 << 20), mode
     assert torch.isfinite(torch.tensor(metrics["loss"]))

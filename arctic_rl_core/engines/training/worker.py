@@ -22,6 +22,8 @@ from arctic_rl_core.engines.batching import RowBatch, micro_batches
 from arctic_rl_core.engines.runtime import configure_process, device_memory, empty_device_cache, free_port
 from arctic_rl_core.engines.token_outputs import TokenOutputs, token_outputs
 from arctic_rl_core.engines.training.deepspeed_setup import build_ds_config, build_optimizer, lr_multiplier
+from arctic_rl_core.engines.training.offload import LP, NON_LP, EngineOffload
+from arctic_rl_core.errors import EngineAsleep
 
 logger = logging.getLogger(__name__)
 
@@ -108,7 +110,9 @@ class DeepSpeedWorker:
         if not spec.trainable:
             self.engine.eval()
         self._pending_micro_batches = 0
-        self._slept: str | None = None
+        self._offload = EngineOffload(self.engine, self._zero_stage, self.device)
+        self._offload.settle(LP)  # a memory home of their own, so sleeping gives all of it back
+        self._state_settled = False
         if spec.checkpoint_path and (Path(spec.checkpoint_path) / "latest").exists():
             self.engine.load_checkpoint(spec.checkpoint_path, load_module_strict=True)
             logger.info("resumed from %s at step %d", spec.checkpoint_path, self.engine.global_steps)
@@ -156,6 +160,7 @@ class DeepSpeedWorker:
 
         if not self.spec.trainable:
             raise RuntimeError("fwd_bwd on a forward-only engine")
+        self._require_awake("fwd_bwd")
         spec = resolve_loss(call.loss_fn, self.spec.allowed_loss_prefixes)
         config = spec.parse_config(call.config)
         # Entropy is always reported; it carries a gradient only when the loss uses it.
@@ -221,6 +226,7 @@ class DeepSpeedWorker:
     @torch.no_grad()
     def token_log_probs(self, batch: RowBatch, top_k: int) -> dict:
         """Shifted log-probs [B, T] plus the top-k alternatives [B, T, k] at every scored position."""
+        self._require_awake("log_probs", (LP,))
         self.engine.eval()
         batch = batch.to(self.device)
         mask = batch.attention_mask.bool()
@@ -235,6 +241,7 @@ class DeepSpeedWorker:
     @torch.no_grad()
     def fwd_no_grad(self, batch: RowBatch, post: list, return_entropy: bool) -> dict:
         """Shifted log-probs [B, T] (0 where the next token is padding), optionally entropy."""
+        self._require_awake("fwd_no_grad", (LP,))
         self.engine.eval()
         rows, length = batch.input_ids.shape
         log_probs = torch.zeros(rows, length, dtype=torch.float32)
@@ -258,11 +265,15 @@ class DeepSpeedWorker:
     def step(self) -> dict:
         if not self.spec.trainable:
             raise RuntimeError("step on a forward-only engine")
+        self._require_awake("step")
         if self._pending_micro_batches == 0:
             raise ValueError("step() called with no gradients: call fwd_bwd first")
         self.engine.set_gradient_accumulation_boundary(True)
         norm = self._grad_norm_if_untracked()
         self.engine.step()
+        if not self._state_settled:  # AdamW created its moments in this first step
+            self._offload.settle(NON_LP)
+            self._state_settled = True
         applied, self._pending_micro_batches = self._pending_micro_batches, 0
         tracked = self.engine.get_global_grad_norm()
         grad_norm = float(tracked) if tracked is not None else norm
@@ -286,6 +297,7 @@ class DeepSpeedWorker:
 
     def save_checkpoint(self, directory: str) -> dict:
         """Atomic: write under a temporary tag, rename, then point ``latest`` at it."""
+        self._require_awake("save_checkpoint")
         import torch.distributed as dist
 
         from arctic_rl_core.errors import BadRequest
@@ -331,15 +343,20 @@ class DeepSpeedWorker:
     # ------------------------------------------------------------ weights
 
     def named_full_parameters(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """HF-named full parameters; under ZeRO-3 every rank must iterate in lockstep (they gather)."""
+        """HF-named full parameters; under ZeRO-3 every rank must iterate in lockstep (they gather).
+
+        While the weights sleep (ZeRO 0-2) they are read from their host copies, so a file sync still works.
+        """
         import deepspeed
 
+        if self._zero_stage == 3:
+            self._require_awake("reading ZeRO-3 weights", (LP,))
         for name, param in self.model.named_parameters():
             if self._zero_stage == 3:
                 with deepspeed.zero.GatheredParameters([param], modifier_rank=None):
                     yield name, param.data
             else:
-                yield name, param.data
+                yield name, self._offload.host_view(param.data)
 
     def weight_norm(self) -> float:
         total = torch.zeros((), dtype=torch.float64)
@@ -375,6 +392,7 @@ class DeepSpeedWorker:
         from arctic_rl_core.config import WeightSyncConfig
         from arctic_rl_core.weight_sync import FlatShard, TrainingRank, WeightSyncCoordinator
 
+        self._require_awake("sync_weights", (LP,))
         if group is not None:
             self.coordinator_close()
             config, master_addr = group
@@ -398,6 +416,7 @@ class DeepSpeedWorker:
 
     def ipc_open(self, bucket_size: int, low_memory: bool) -> int:
         """Plan flattened buckets over the (unchanged, on-GPU) parameters; return how many."""
+        self._require_awake("sync_weights(cuda_ipc=True)", (LP,))
         from arctic_rl_core.weight_sync.cuda_ipc import CudaIpcSender, IpcSession
 
         if self._zero_stage == 3:
@@ -434,75 +453,27 @@ class DeepSpeedWorker:
     # ------------------------------------------------------------ memory
 
     def sleep(self, mode: str) -> dict:
-        """Move state to CPU. On CPU there is nothing to move; say so."""
+        """Move state to host memory; modes stack (``non_lp`` then ``lp_params`` is ``all``). On CPU: nothing."""
         if self.device.type != "cuda":
             return {"rank": self.rank, "mode": mode, "moved": [], "reason": "device is cpu: nothing to offload"}
         before = device_memory()
         self.ipc_close()
-        moved = self._offload(mode)
+        moved = self._offload.sleep(mode)
         empty_device_cache()
-        self._slept = mode
-        return {"rank": self.rank, "mode": mode, "moved": moved, "freed_bytes": before - device_memory()}
+        return {"rank": self.rank, "mode": mode, "moved": sorted(moved), "freed_bytes": before - device_memory()}
 
     def wake(self) -> dict:
-        if self.device.type != "cuda" or self._slept is None:
+        if self.device.type != "cuda" or not self._offload.asleep:
             return {"rank": self.rank, "woke": False}
         before = device_memory()
-        if self._zero_stage == 0:
-            self._move_unpartitioned(self._slept, self.device)
-        else:
-            self.engine.reload_states(non_blocking=False)
-        self._slept = None
-        return {"rank": self.rank, "woke": True, "allocated_bytes": device_memory() - before}
+        states = self._offload.wake()
+        return {"rank": self.rank, "woke": True, "states": states, "allocated_bytes": device_memory() - before}
 
-    def _offload(self, mode: str) -> list[str]:
-        from deepspeed.runtime.zero.offload_config import OffloadStateTypeEnum as S
-
-        states = {
-            "all": [S.optim_states, S.hp_params, S.lp_params, S.lp_grads, S.contiguous_grad_buffer],
-            "non_lp": [S.optim_states, S.hp_params, S.lp_grads, S.contiguous_grad_buffer],
-            "lp_params": [S.lp_params],
-        }[mode]
-        if self._zero_stage == 0:
-            return self._move_unpartitioned(mode, torch.device("cpu"))
-        self.engine.offload_states(include=states, non_blocking=False)
-        return [s.name for s in states]
-
-    def _move_unpartitioned(self, mode: str, device: torch.device) -> list[str]:
-        """ZeRO-0 has no partitioned state for offload_states: move the module and optimizer state ourselves."""
-        moved = []
-        if mode in ("all", "lp_params"):
-            self.model.to(device)
-            moved.append("lp_params")
-        if mode in ("all", "non_lp"):
-            for param in self.model.parameters():
-                if param.grad is not None:
-                    param.grad = param.grad.to(device)
-            moved.append("lp_grads")
-            if self.optimizer is not None:
-                if self._move_master_params(device):
-                    moved.append("hp_params")
-                for state in self.optimizer.state.values():
-                    for key, value in state.items():
-                        if torch.is_tensor(value):
-                            state[key] = value.to(device)
-                moved.append("optim_states")
-        return moved
-
-    def _move_master_params(self, device: torch.device) -> bool:
-        """Move the optimizer's own parameter copies (DeepSpeed's bf16/fp16 wrappers keep fp32 masters).
-
-        A parameter the module also holds is left alone: without a wrapper the
-        optimizer steps the module's own (low-precision) parameters.
-        """
-        inner = getattr(self.optimizer, "optimizer", self.optimizer)
-        module_params = {id(p) for p in self.model.parameters()}
-        masters = [p for group in inner.param_groups for p in group["params"] if id(p) not in module_params]
-        for param in masters:
-            param.data = param.data.to(device)
-            if param.grad is not None:
-                param.grad = param.grad.to(device)
-        return bool(masters)
+    def _require_awake(self, call: str, parts: tuple[str, ...] = (LP, NON_LP)) -> None:
+        asleep = sorted(self._offload.asleep.intersection(parts)) if self.device.type == "cuda" else []
+        if asleep:
+            wake = "wake_training" if self.spec.trainable else "wake_log_prob"
+            raise EngineAsleep(f"{call}: {' and '.join(asleep)} asleep on the device; call {wake}() first")
 
     def empty_cache(self) -> dict:
         before = device_memory(reserved=True)
