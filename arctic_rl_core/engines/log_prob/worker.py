@@ -4,10 +4,15 @@ from __future__ import annotations
 
 import os
 import threading
+from typing import Callable, TypeVar
+
+import torch
 
 from arctic_rl_core.engines.batching import RowBatch
 from arctic_rl_core.engines.runtime import configure_process
 from arctic_rl_core.engines.sampling.protocol import SamplingEngineOptions
+
+T = TypeVar("T")
 
 
 class VLLMLogProbWorker:
@@ -17,6 +22,15 @@ class VLLMLogProbWorker:
         configure_process(options.device, threads)
         self.replica = replica
         self.engine = VLLMLogProbEngine(model_path, options)
+        # Ray runs this actor's calls on a pool of threads. vLLM's forward state is per process, so one call
+        # at a time; and OpenMP's thread count is per thread, so each call sets the one chosen here.
+        self._lock = threading.Lock()
+        self._threads = torch.get_num_threads()
+
+    def _on_engine(self, fn: Callable[[], T]) -> T:
+        with self._lock:
+            torch.set_num_threads(self._threads)
+            return fn()
 
     def info(self) -> dict:
         return {"replica": self.replica, "pid": os.getpid(), "engine": "vllm"}
@@ -26,19 +40,19 @@ class VLLMLogProbWorker:
         threading.Event().wait()
 
     def log_probs(self, prompts: list[str], completions: list[str] | None, top_k: int) -> list[dict]:
-        return self.engine.log_probs(prompts, completions, top_k)
+        return self._on_engine(lambda: self.engine.log_probs(prompts, completions, top_k))
 
     def token_log_probs(self, batch: RowBatch, top_k: int) -> dict:
-        return self.engine.token_log_probs(batch.input_ids, batch.attention_mask, top_k)
+        return self._on_engine(lambda: self.engine.token_log_probs(batch.input_ids, batch.attention_mask, top_k))
 
     def weight_norm(self) -> float:
-        return self.engine.weight_norm()
+        return self._on_engine(self.engine.weight_norm)
 
     def sleep(self, level: int) -> dict:
-        return {"replica": self.replica, **self.engine.sleep(level)}
+        return {"replica": self.replica, **self._on_engine(lambda: self.engine.sleep(level))}
 
     def wake(self, tags: list[str] | None) -> dict:
-        return {"replica": self.replica, **self.engine.wake(tags)}
+        return {"replica": self.replica, **self._on_engine(lambda: self.engine.wake(tags))}
 
     def shutdown(self) -> None:
-        self.engine.shutdown()
+        self._on_engine(self.engine.shutdown)
