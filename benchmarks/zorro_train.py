@@ -281,6 +281,13 @@ def print_profile(model, side: str, forward, batch, top: int) -> None:
     print(f"      host waits for the GPU in one {side} step ({sum(sites.values())}): {waits}")
 
 
+def compile_blocks(model) -> None:
+    """Compile the element-wise blocks (norms, gated MLP) in place; attention stays as it is."""
+    for module in model.modules():
+        if type(module).__name__.endswith(("RMSNorm", "MLP")):
+            module.compile(dynamic=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tiny", action="store_true", help="a tiny Qwen2 in fp32 (runs on CPU in seconds)")
@@ -289,6 +296,11 @@ def main() -> None:
     parser.add_argument("--no-profile", action="store_true", help="skip the per-kernel time breakdown (CUDA)")
     parser.add_argument("--kernel", default="auto", choices=("auto", "varlen", "flex", "dense"))
     parser.add_argument("--top-kernels", type=int, default=0, help="also list the N longest kernels of each step")
+    parser.add_argument(
+        "--compile-blocks", action="store_true",
+        help="torch.compile each RMSNorm and MLP (both sides): fewer, fused element-wise kernels",
+    )  # fmt: skip
+    parser.add_argument("--samples", type=int, nargs="*", help="run only the cases with these G (default: all)")
     args = parser.parse_args()
 
     device = torch.device("cuda" if torch.cuda.is_available() and not args.tiny else "cpu")
@@ -298,10 +310,16 @@ def main() -> None:
     with torch.device(device) if device.type == "cuda" else contextlib.nullcontext():
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
     model.to(device).train()
+    if args.compile_blocks:
+        compile_blocks(model)
     name = "tiny Qwen2 (fp32)" if args.tiny else "Qwen2-0.5B shape, random weights (bf16)"
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
-    print(f"{name} on {where}; torch {torch.__version__}")
+    print(
+        f"{name} on {where}; torch {torch.__version__}" + ("; norms and MLPs compiled" if args.compile_blocks else "")
+    )
     for case in TINY_CASES if args.tiny else GPU_CASES:
+        if args.samples and case.samples not in args.samples:
+            continue
         profile = device.type == "cuda" and not args.no_profile
         run_case(
             model, case, device, args.warmup, args.iters, profile=profile, kernel=args.kernel, top=args.top_kernels
