@@ -120,3 +120,36 @@ def test_each_sleep_mode_frees_its_states_and_wake_restores_them(deployment):
     for mode, gone, back in memory:
         assert abs(back - gone) <= 0.05 * gone + (64 << 20), mode
     assert torch.isfinite(torch.tensor(metrics["loss"]))
+
+
+def test_a_file_sync_reads_the_sleeping_weights_and_an_ipc_sync_is_refused(tmp_path):
+    """While training sleeps its weights are only in host memory: the file path reads them there."""
+    model = build_tiny_model(tmp_path / "model", TinySpec(num_layers=2, hidden_size=256, num_heads=4, num_kv_heads=2))
+    client = create_arctic_rl_client(
+        ArcticRLClientConfig(
+            model_name=str(model), comm_protocol="ray", training_gpus=1, sampling_gpus=1, colocate=True,
+            ray_auto_attach=False, ds_config={"zero_optimization": {"stage": 1}},
+            training_config={"dtype": "bfloat16", "optimizer": {"lr": 1e-3}},
+            vllm_config={"gpu_memory_utilization": 0.1, "max_seq_len": 256},
+            startup_timeout=300, job_ready_timeout=300,
+        )
+    )  # fmt: skip
+
+    async def run() -> dict:
+        try:
+            await client.fwd_bwd(_batch(), GRPO)
+            await client.step()  # training now differs from the sampler's initial weights
+            await client.sleep_training(mode="all")
+            with pytest.raises(ValueError, match="wake_training"):
+                await client.sync_weights(cuda_ipc=True)
+            sync = await client.sync_weights(cuda_ipc=False)
+            norms = await client.weight_norm()
+            await client.wake_training()
+            await client.fwd_bwd(_batch(), GRPO)  # and training goes on
+            return {**norms, "method": sync["method"]}
+        finally:
+            await client.shutdown()
+
+    result = asyncio.run(run())
+    assert result["method"] == "file"
+    assert result["training_norm"] == pytest.approx(result["sampling_norm"], rel=1e-6)
