@@ -15,6 +15,7 @@ import torch
 
 from arctic_rl_core import ArcticRLClientConfig, create_arctic_rl_client
 from arctic_rl_core.models.tiny import TinySpec, build_tiny_model
+from tests.grpo_batch import GRPO, grpo_batch
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -25,21 +26,6 @@ SPEC = TinySpec(num_layers=8, hidden_size=1024, num_heads=16, num_kv_heads=4, in
 def used_bytes() -> int:
     free, total = torch.cuda.mem_get_info()
     return total - free
-
-
-def _batch() -> dict:
-    g = torch.Generator().manual_seed(0)
-    ids = torch.randint(3, 1000, (4, 64), generator=g)
-    response = torch.zeros_like(ids)
-    response[:, 32:] = 1
-    return {
-        "args": [ids],
-        "kwargs": {"attention_mask": torch.ones_like(ids)},
-        "context": {"response_mask": response, "advantages": torch.tensor([1.0, -1.0, 0.5, -0.5])},
-    }
-
-
-GRPO = {"loss_fn": "grpo", "config": {"eps_clip": 0.2}}
 
 
 def _parameter_count(path) -> int:
@@ -63,7 +49,7 @@ def deployment(request, tmp_path_factory):
     )  # fmt: skip
 
     async def first_step() -> None:
-        await client.fwd_bwd(_batch(), GRPO)
+        await client.fwd_bwd(grpo_batch(), GRPO)
         await client.step()  # AdamW allocates its moments here
 
     asyncio.run(first_step())
@@ -84,7 +70,7 @@ async def _sleep_and_wake(client, mode: str) -> tuple[int, int]:
     asleep = used_bytes()
     assert (await client.weight_norm())["training_norm"] == norm  # read from host memory while asleep
     with pytest.raises(ValueError, match="wake_training"):
-        await client.fwd_bwd(_batch(), GRPO)  # refused, not run on weights that are not there
+        await client.fwd_bwd(grpo_batch(), GRPO)  # refused, not run on weights that are not there
     await client.wake_training()
     await client.empty_training_cache()
     woke = used_bytes() - asleep  # before the norm below, whose temporaries stay cached
@@ -101,7 +87,7 @@ def test_each_sleep_mode_frees_its_states_and_wake_restores_them(deployment):
         modes = ("lp_params", "non_lp", "all", "non_lp+lp_params", "lp_params")
         memory = [(mode, *await _sleep_and_wake(client, mode)) for mode in modes]
         # Training goes on after the round trips: the optimizer found its state again.
-        metrics = await client.fwd_bwd(_batch(), GRPO)
+        metrics = await client.fwd_bwd(grpo_batch(), GRPO)
         await client.step()
         return memory, metrics
 
@@ -120,36 +106,3 @@ def test_each_sleep_mode_frees_its_states_and_wake_restores_them(deployment):
     for mode, gone, back in memory:
         assert abs(back - gone) <= 0.05 * gone + (64 << 20), mode
     assert torch.isfinite(torch.tensor(metrics["loss"]))
-
-
-def test_a_file_sync_reads_the_sleeping_weights_and_an_ipc_sync_is_refused(tmp_path):
-    """While training sleeps its weights are only in host memory: the file path reads them there."""
-    model = build_tiny_model(tmp_path / "model", TinySpec(num_layers=2, hidden_size=256, num_heads=4, num_kv_heads=2))
-    client = create_arctic_rl_client(
-        ArcticRLClientConfig(
-            model_name=str(model), comm_protocol="ray", training_gpus=1, sampling_gpus=1, colocate=True,
-            ray_auto_attach=False, ds_config={"zero_optimization": {"stage": 1}},
-            training_config={"dtype": "bfloat16", "optimizer": {"lr": 1e-3}},
-            vllm_config={"gpu_memory_utilization": 0.1, "max_seq_len": 256},
-            startup_timeout=300, job_ready_timeout=300,
-        )
-    )  # fmt: skip
-
-    async def run() -> dict:
-        try:
-            await client.fwd_bwd(_batch(), GRPO)
-            await client.step()  # training now differs from the sampler's initial weights
-            await client.sleep_training(mode="all")
-            with pytest.raises(ValueError, match="wake_training"):
-                await client.sync_weights(cuda_ipc=True)
-            sync = await client.sync_weights(cuda_ipc=False)
-            norms = await client.weight_norm()
-            await client.wake_training()
-            await client.fwd_bwd(_batch(), GRPO)  # and training goes on
-            return {**norms, "method": sync["method"]}
-        finally:
-            await client.shutdown()
-
-    result = asyncio.run(run())
-    assert result["method"] == "file"
-    assert result["training_norm"] == pytest.approx(result["sampling_norm"], rel=1e-6)
