@@ -1,4 +1,4 @@
-"""Offloading storages: every view of a weight comes back whole, and each sleep mode takes exactly its part.
+"""Offloading storages: every view comes back whole, each sleep mode takes its part, a file export reads host copies.
 
 The engine test runs a real DeepSpeed ZeRO-0 engine (fp32: a plain AdamW; bf16: DeepSpeed's
 flat-buffer wrapper) in a spawned process, because DeepSpeed initializes torch.distributed.
@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import multiprocessing
 from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
 
 import pytest
 import torch
@@ -35,10 +36,11 @@ def test_every_view_of_an_offloaded_storage_is_whole_after_reload():
     assert not offload and offload.host_view(bias) is None
 
 
-def _engine_round_trip(model_path: str, dtype: str) -> dict:
+def _engine_round_trip(model_path: str, dtype: str, export_dir: Path) -> dict:
+    from safetensors.torch import load_file
+
     from arctic_rl_core.config import TrainingConfig
     from arctic_rl_core.engines.runtime import free_port
-    from arctic_rl_core.engines.training.offload import EngineOffload
     from arctic_rl_core.engines.training.worker import DeepSpeedWorker, WorkerSpec
 
     spec = WorkerSpec(model_name=model_path, device="cpu", trainable=True, training=TrainingConfig(dtype=dtype))
@@ -61,7 +63,7 @@ def _engine_round_trip(model_path: str, dtype: str) -> dict:
     moments = [v for state in inner.state.values() for v in state.values() if torch.is_tensor(v) and v.dim()]
     before = [t.clone() for t in weights + moments]
 
-    offload = EngineOffload(engine, 0, CPU)
+    offload = worker._offload  # the worker's own, so its weight reads go through it (on CPU sleep() skips it)
     seen = {}
     offload.sleep("non_lp")
     seen["non_lp: weights kept"] = all(p.untyped_storage().nbytes() for p in weights)
@@ -70,6 +72,11 @@ def _engine_round_trip(model_path: str, dtype: str) -> dict:
     seen["lp_params: weights off"] = all(p.untyped_storage().nbytes() == 0 for p in weights)
     seen["asleep"] = sorted(offload.asleep)
     seen["host view"] = all(torch.equal(offload.host_view(p), b) for p, b in zip(weights, before))
+    # A file sync while asleep: the export reads every weight from its host copy.
+    worker.export_weights(str(export_dir))
+    exported = load_file(next(export_dir.glob("*.safetensors")))
+    names = [name for name, _ in engine.module.named_parameters()]
+    seen["exported asleep"] = all(torch.equal(exported[n], b) for n, b in zip(names, before))
     seen["woke"] = offload.wake()
     seen["restored"] = all(torch.equal(t, b) for t, b in zip(weights + moments, before))
     train_step()  # the optimizer finds its state again
@@ -81,16 +88,17 @@ def _engine_round_trip(model_path: str, dtype: str) -> dict:
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_a_deepspeed_engine_sleeps_part_by_part_and_wakes_exactly(tiny_model, dtype):
+def test_a_deepspeed_engine_sleeps_part_by_part_and_wakes_exactly(tiny_model, dtype, tmp_path):
     spawn = multiprocessing.get_context("spawn")
     with ProcessPoolExecutor(1, mp_context=spawn) as pool:
-        seen = pool.submit(_engine_round_trip, tiny_model, dtype).result(timeout=300)
+        seen = pool.submit(_engine_round_trip, tiny_model, dtype, tmp_path / "export").result(timeout=300)
     assert seen == {
         "non_lp: weights kept": True,
         "non_lp: moments off": True,
         "lp_params: weights off": True,
         "asleep": ["lp_params", "non_lp"],
         "host view": True,
+        "exported asleep": True,
         "woke": ["lp_params", "non_lp"],
         "restored": True,
         "trained": True,
