@@ -104,7 +104,7 @@ class StorageOffload:
         pin = self.device.type == "cuda"
         entries = {}
         for key, storage in storages.items():
-            if key in self._offloaded or not storage.nbytes():
+            if key in self._offloaded:
                 continue
             if not storage.resizable():
                 raise ValueError(
@@ -186,12 +186,12 @@ class EngineOffload:
         return has_offload and (part == NON_LP or self.zero_stage == 3)
 
     def settle(self, part: str) -> int:
-        """Move ``part``'s storages into a home of their own; bytes moved.
+        """Move ``part``'s storages into a home of their own, unless they have one; bytes moved.
 
         The weights settle at setup; the optimizer's state after the first step, which creates AdamW's moments.
         Once settled, each wake re-allocates the part in a fresh home. ZeRO-3's partitions stay where they are.
         """
-        if self.device.type != "cuda" or self.zero_stage == 3 or part in self.asleep:
+        if self.device.type != "cuda" or self.zero_stage == 3 or part in self.asleep or self._homes[part] is not None:
             return 0
         home = self._homes[part] = new_home(self.device)
         return move_home(self._storages(part), home)

@@ -112,7 +112,6 @@ class DeepSpeedWorker:
         self._pending_micro_batches = 0
         self._offload = EngineOffload(self.engine, self._zero_stage, self.device)
         self._offload.settle(LP)  # a memory home of their own, so sleeping gives all of it back
-        self._state_settled = False
         if spec.checkpoint_path and (Path(spec.checkpoint_path) / "latest").exists():
             self.engine.load_checkpoint(spec.checkpoint_path, load_module_strict=True)
             logger.info("resumed from %s at step %d", spec.checkpoint_path, self.engine.global_steps)
@@ -271,9 +270,7 @@ class DeepSpeedWorker:
         self.engine.set_gradient_accumulation_boundary(True)
         norm = self._grad_norm_if_untracked()
         self.engine.step()
-        if not self._state_settled:  # AdamW created its moments in this first step
-            self._offload.settle(NON_LP)
-            self._state_settled = True
+        self._offload.settle(NON_LP)  # after the first step, which created AdamW's moments; then a no-op
         applied, self._pending_micro_batches = self._pending_micro_batches, 0
         tracked = self.engine.get_global_grad_norm()
         grad_norm = float(tracked) if tracked is not None else norm
@@ -470,7 +467,7 @@ class DeepSpeedWorker:
         return {"rank": self.rank, "woke": True, "states": states, "allocated_bytes": device_memory() - before}
 
     def _require_awake(self, call: str, parts: tuple[str, ...] = (LP, NON_LP)) -> None:
-        asleep = sorted(self._offload.asleep.intersection(parts)) if self.device.type == "cuda" else []
+        asleep = sorted(self._offload.asleep.intersection(parts))  # empty on CPU: sleep moves nothing there
         if asleep:
             wake = "wake_training" if self.spec.trainable else "wake_log_prob"
             raise EngineAsleep(f"{call}: {' and '.join(asleep)} asleep on the device; call {wake}() first")
