@@ -64,6 +64,54 @@ def used_gib() -> float:
     return (total - free) / 2**30
 
 
+def _server_workers(server) -> list[tuple[str, object]]:
+    """Runs inside the Ray server actor: every job's worker handles, named by job."""
+    return [(job.name, worker) for job in server.manager.jobs.values() for worker in job.workers]
+
+
+def _allocator_stats(_worker) -> dict:
+    """Runs inside a worker: what PyTorch's allocator holds, and the process's device memory outside it."""
+    stats = torch.cuda.memory_stats()
+    return {
+        "allocated": torch.cuda.memory_allocated() / 2**30,
+        "reserved": torch.cuda.memory_reserved() / 2**30,
+        "segments": stats.get("segment.all.current", 0),
+        "alloc_retries": stats.get("num_alloc_retries", 0),
+        "pid": __import__("os").getpid(),
+    }
+
+
+def _device_used_by_pid() -> dict[int, float]:
+    """GiB of device memory per process as the driver counts it (CUDA context and kernels included)."""
+    import subprocess
+
+    try:
+        out = subprocess.run(
+            ["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
+            capture_output=True, text=True, timeout=30,
+        ).stdout  # fmt: skip
+    except (OSError, subprocess.SubprocessError):
+        return {}
+    rows = [line.split(",") for line in out.splitlines() if line.count(",") == 1]
+    return {int(pid): int(mib) / 1024 for pid, mib in rows if pid.strip().isdigit() and mib.strip().isdigit()}
+
+
+def per_process(client) -> dict[str, dict]:
+    """Allocator figures of every engine process, read through Ray (``--per-process``)."""
+    import ray
+
+    server = client._transport.actor
+    workers = ray.get(server.__ray_call__.remote(_server_workers))
+    used = _device_used_by_pid()
+    report = {}
+    for name, worker in workers:
+        stats = ray.get(worker.__ray_call__.remote(_allocator_stats))
+        if stats["pid"] in used:
+            stats["device_used"] = used[stats["pid"]]
+        report[f"{name} pid {stats.pop('pid')}"] = stats
+    return report
+
+
 async def cycles(client, args, tokenizer) -> dict:
     prompts = [f"Question {i}: what is {i} + {i + 1}?" for i in range(args.prompts)]
     params = {"max_tokens": args.new_tokens, "temperature": 1.0, "n": args.samples, "seed": 0}
@@ -92,6 +140,13 @@ async def cycles(client, args, tokenizer) -> dict:
         phase["generate"] = used_gib()
         await client.sleep_inference(level=1)
         phase["sleep_inference"] = used_gib()
+        if args.per_process:
+            for name, stats in per_process(client).items():
+                print(
+                    f"  {name}: "
+                    + "  ".join(f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}" for k, v in stats.items()),
+                    flush=True,
+                )
         rollouts, sampled = to_batch(results, tokenizer)
         memory.append(phase)
         print(
@@ -144,6 +199,9 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=16)
     parser.add_argument("--samples", type=int, default=4)
     parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument(
+        "--per-process", action="store_true", help="after each cycle, each engine's allocator figures (GiB)"
+    )
     args = parser.parse_args()
 
     from transformers import AutoTokenizer

@@ -55,8 +55,17 @@ def device_memory(reserved: bool = False) -> int:
 
 
 def empty_device_cache() -> None:
+    """Give the driver back every cached segment, cuBLAS's workspaces included.
+
+    cuBLAS keeps a 32 MiB workspace per (handle, stream) in PyTorch's allocator, placed wherever the
+    first matmul found room: often inside a large activation segment, which it then pins (a sleeping
+    training engine held 1 GiB that way). The next matmul allocates a fresh one.
+    """
     import gc
 
     gc.collect()
     if torch.cuda.is_available():
+        clear_cublas_workspaces = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)  # CUDA builds only
+        if clear_cublas_workspaces is not None:
+            clear_cublas_workspaces()
         torch.cuda.empty_cache()

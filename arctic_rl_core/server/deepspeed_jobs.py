@@ -15,18 +15,17 @@ import tempfile
 import uuid
 from pathlib import Path
 
-import ray
 import torch
 
 from arctic_rl_core.engines.batching import RowBatch, contiguous_split
 from arctic_rl_core.engines.training.worker import DeepSpeedWorker, LossCall, WorkerSpec
 from arctic_rl_core.errors import BadRequest
 from arctic_rl_core.ops import Batch, JobKind, Processing
-from arctic_rl_core.server.jobs import Job, JobState
+from arctic_rl_core.server.jobs import Job, JobState, remote_worker
 
 logger = logging.getLogger(__name__)
 
-RemoteDeepSpeedWorker = ray.remote(max_concurrency=4)(DeepSpeedWorker)
+RemoteDeepSpeedWorker = remote_worker(DeepSpeedWorker)
 
 
 def sync_root() -> Path:

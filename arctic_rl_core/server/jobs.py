@@ -23,6 +23,20 @@ from arctic_rl_core.server.placement import Slot
 
 logger = logging.getLogger(__name__)
 
+# Liveness calls (``watch`` blocks for the worker's life, ``info``) run in their own concurrency group,
+# so they never wait behind engine work and never take an engine thread.
+CONTROL = "control"
+
+
+def remote_worker(cls, max_concurrency: int = 1):
+    """``cls`` as a Ray actor class whose engine calls run on ``max_concurrency`` threads (one by default).
+
+    One thread is what a GPU engine wants: CUDA libraries keep state per calling thread (cuBLAS a
+    handle and a 32 MiB workspace for each thread that runs a matmul), so calls spread over a pool
+    leave one copy per thread on the device, and a sleeping engine cannot give them back.
+    """
+    return ray.remote(max_concurrency=max_concurrency, concurrency_groups={CONTROL: 2})(cls)
+
 
 class JobState(str, Enum):
     PENDING = "PENDING"
@@ -71,7 +85,12 @@ class Job:
         """Create and set up the workers; RUNNING on success, FAILED (with the cause) otherwise."""
         try:
             await self._create_workers()
-            self.pids = [info["pid"] for info in await asyncio.gather(*[w.info.remote() for w in self.workers])]
+            self.pids = [
+                info["pid"]
+                for info in await asyncio.gather(
+                    *[w.info.options(concurrency_group=CONTROL).remote() for w in self.workers]
+                )
+            ]
             self._watchers = [asyncio.ensure_future(self._watch(rank, w)) for rank, w in enumerate(self.workers)]
             if self.state is JobState.PENDING:
                 self.state = JobState.RUNNING
@@ -84,7 +103,7 @@ class Job:
 
     async def _watch(self, rank: int, worker) -> None:
         try:
-            await worker.watch.remote()
+            await worker.watch.options(concurrency_group=CONTROL).remote()
         except asyncio.CancelledError:
             return
         except Exception as exc:  # noqa: BLE001

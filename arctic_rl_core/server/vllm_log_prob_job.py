@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 
-import ray
 import torch
 
 from arctic_rl_core.engines.batching import RowBatch, contiguous_split
@@ -17,9 +16,9 @@ from arctic_rl_core.engines.log_prob.worker import VLLMLogProbWorker
 from arctic_rl_core.engines.sampling.protocol import SamplingEngineOptions
 from arctic_rl_core.errors import BadRequest
 from arctic_rl_core.ops import Batch, JobKind, Processing
-from arctic_rl_core.server.jobs import Job
+from arctic_rl_core.server.jobs import CONTROL, Job, remote_worker
 
-RemoteVLLMLogProbWorker = ray.remote(max_concurrency=4)(VLLMLogProbWorker)
+RemoteVLLMLogProbWorker = remote_worker(VLLMLogProbWorker)
 
 
 class VLLMLogProbJob(Job):
@@ -36,7 +35,7 @@ class VLLMLogProbJob(Job):
             )
             for replica, slot in enumerate(self.slots)
         ]
-        await asyncio.gather(*[w.info.remote() for w in self.workers])
+        await asyncio.gather(*[w.info.options(concurrency_group=CONTROL).remote() for w in self.workers])
 
     def _ranges(self, count: int) -> list[tuple[int, int]]:
         return contiguous_split([1] * count, len(self.workers))

@@ -272,6 +272,37 @@ def test_reconnect_config_works_from_inside_another_ray_actor(client):
     assert norm == pytest.approx(run(client.weight_norm())["training_norm"], rel=1e-12)
 
 
+def _workers_by_job(server) -> list[tuple[str, object]]:
+    jobs = [job for job in server.manager.jobs.values() if job.state.value == "RUNNING"]
+    return [(job.name, worker) for job in jobs for worker in job.workers]
+
+
+def _engine_thread_after(_worker, seconds: float) -> int:
+    import threading
+    import time
+
+    time.sleep(seconds)
+    return threading.get_ident()
+
+
+def test_engine_calls_on_a_worker_share_one_thread_and_liveness_calls_never_wait(client):
+    """CUDA libraries keep per-thread state on the device; engine calls spread over threads would multiply it."""
+    if client.config.comm_protocol != "ray":
+        pytest.skip("reads the worker actors through the Ray server")
+    from arctic_rl_core.server.jobs import CONTROL
+
+    workers = ray.get(client._transport.actor.__ray_call__.remote(_workers_by_job))
+    training = [w for name, w in workers if name.startswith("training")]
+    assert training
+    for worker in training:
+        calls = [worker.__ray_call__.remote(_engine_thread_after, 1.0) for _ in range(4)]  # sent at once
+        info = ray.get(worker.info.options(concurrency_group=CONTROL).remote(), timeout=3.0)
+        done, _ = ray.wait(calls, num_returns=4, timeout=0)
+        assert len(done) < 4  # answered while engine calls were still queued (4 s of them, one at a time)
+        assert len(set(ray.get(calls))) == 1, "engine calls ran on more than one thread"
+        assert info["pid"] > 0
+
+
 def test_full_determinism_gives_bit_identical_losses_across_two_runs(client):
     async def losses():
         other = create_arctic_rl_client(

@@ -22,15 +22,13 @@ class VLLMLogProbWorker:
         configure_process(options.device, threads)
         self.replica = replica
         self.engine = VLLMLogProbEngine(model_path, options)
-        # Ray runs this actor's calls on a pool of threads. vLLM's forward state is per process, so one call
-        # at a time; and OpenMP's thread count is per thread, so each call sets the one chosen here.
-        self._lock = threading.Lock()
+        # Ray runs the calls on one engine thread (vLLM's forward state is per process), not the thread
+        # that ran __init__; OpenMP's thread count is per thread, so each call sets the one chosen here.
         self._threads = torch.get_num_threads()
 
     def _on_engine(self, fn: Callable[[], T]) -> T:
-        with self._lock:
-            torch.set_num_threads(self._threads)
-            return fn()
+        torch.set_num_threads(self._threads)
+        return fn()
 
     def info(self) -> dict:
         return {"replica": self.replica, "pid": os.getpid(), "engine": "vllm"}
