@@ -288,6 +288,13 @@ def compile_blocks(model) -> None:
             module.compile(dynamic=True)
 
 
+def compile_layers(model) -> None:
+    """Compile each decoder layer in place (both sides); ZoRRo's forest attention stays outside the graph."""
+    for module in model.modules():
+        if type(module).__name__.endswith("DecoderLayer"):
+            module.compile(dynamic=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tiny", action="store_true", help="a tiny Qwen2 in fp32 (runs on CPU in seconds)")
@@ -299,6 +306,10 @@ def main() -> None:
     parser.add_argument(
         "--compile-blocks", action="store_true",
         help="torch.compile each RMSNorm and MLP (both sides): fewer, fused element-wise kernels",
+    )  # fmt: skip
+    parser.add_argument(
+        "--compile-layers", action="store_true",
+        help="torch.compile each decoder layer (both sides); ZoRRo's attention call stays eager",
     )  # fmt: skip
     parser.add_argument("--samples", type=int, nargs="*", help="run only the cases with these G (default: all)")
     args = parser.parse_args()
@@ -312,10 +323,14 @@ def main() -> None:
     model.to(device).train()
     if args.compile_blocks:
         compile_blocks(model)
+    if args.compile_layers:
+        compile_layers(model)
     name = "tiny Qwen2 (fp32)" if args.tiny else "Qwen2-0.5B shape, random weights (bf16)"
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
     print(
-        f"{name} on {where}; torch {torch.__version__}" + ("; norms and MLPs compiled" if args.compile_blocks else "")
+        f"{name} on {where}; torch {torch.__version__}"
+        + ("; norms and MLPs compiled" if args.compile_blocks else "")
+        + ("; decoder layers compiled" if args.compile_layers else "")
     )
     for case in TINY_CASES if args.tiny else GPU_CASES:
         if args.samples and case.samples not in args.samples:

@@ -310,9 +310,15 @@ def _dispatching_to(base: Callable) -> Callable:
         forest = kwargs.pop(FOREST_ATTENTION_KWARG, None)
         if forest is None:
             return base(module, query, key, value, attention_mask, **kwargs)
-        return forest(query, key, value, **kwargs), None
+        return _forest_attention(forest, query, key, value, **kwargs), None
 
     return attention
+
+
+@torch.compiler.disable
+def _forest_attention(forest: ForestAttention, query, key, value, **kwargs) -> torch.Tensor:
+    """Never traced: a compiled decoder layer breaks its graph here, since the forest changes every batch."""
+    return forest(query, key, value, **kwargs)
 
 
 def enable_forest_attention(model: nn.Module) -> str:
