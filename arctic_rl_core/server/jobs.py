@@ -85,12 +85,7 @@ class Job:
         """Create and set up the workers; RUNNING on success, FAILED (with the cause) otherwise."""
         try:
             await self._create_workers()
-            self.pids = [
-                info["pid"]
-                for info in await asyncio.gather(
-                    *[w.info.options(concurrency_group=CONTROL).remote() for w in self.workers]
-                )
-            ]
+            self.pids = [info["pid"] for info in await self.worker_infos()]
             self._watchers = [asyncio.ensure_future(self._watch(rank, w)) for rank, w in enumerate(self.workers)]
             if self.state is JobState.PENDING:
                 self.state = JobState.RUNNING
@@ -100,6 +95,10 @@ class Job:
 
     async def _create_workers(self) -> None:
         raise NotImplementedError
+
+    async def worker_infos(self) -> list[dict]:
+        """Each worker's ``info()``; answered even while an engine call runs (the workers are up once it returns)."""
+        return await asyncio.gather(*[w.info.options(concurrency_group=CONTROL).remote() for w in self.workers])
 
     async def _watch(self, rank: int, worker) -> None:
         try:

@@ -14,7 +14,7 @@ from arctic_rl_core.engines.sampling.protocol import SamplingEngineOptions, Samp
 from arctic_rl_core.engines.sampling.worker import SamplingWorker
 from arctic_rl_core.errors import BadRequest
 from arctic_rl_core.ops import JobKind
-from arctic_rl_core.server.jobs import CONTROL, Job, remote_worker
+from arctic_rl_core.server.jobs import Job, remote_worker
 
 # Many callers wait on one replica at once (frameworks send one request per prompt): threads are cheap,
 # and the device work runs on the engine's own loop thread.
@@ -89,7 +89,6 @@ class SamplingJob(Job):
             for replica, slot in enumerate(self.slots)
         ]
         self._in_flight = [0] * len(self.workers)
-        await asyncio.gather(*[w.info.options(concurrency_group=CONTROL).remote() for w in self.workers])
         self.max_model_len = self.options.max_model_len or await asyncio.to_thread(_max_positions, self.model_name)
 
     def check_generate(self, sampling_params: SamplingParams) -> None:

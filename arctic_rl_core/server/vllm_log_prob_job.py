@@ -7,8 +7,6 @@ a request for either is refused by name.
 
 from __future__ import annotations
 
-import asyncio
-
 import torch
 
 from arctic_rl_core.engines.batching import RowBatch, contiguous_split
@@ -16,7 +14,7 @@ from arctic_rl_core.engines.log_prob.worker import VLLMLogProbWorker
 from arctic_rl_core.engines.sampling.protocol import SamplingEngineOptions
 from arctic_rl_core.errors import BadRequest
 from arctic_rl_core.ops import Batch, JobKind, Processing
-from arctic_rl_core.server.jobs import CONTROL, Job, remote_worker
+from arctic_rl_core.server.jobs import Job, remote_worker
 
 RemoteVLLMLogProbWorker = remote_worker(VLLMLogProbWorker)
 
@@ -35,7 +33,6 @@ class VLLMLogProbJob(Job):
             )
             for replica, slot in enumerate(self.slots)
         ]
-        await asyncio.gather(*[w.info.options(concurrency_group=CONTROL).remote() for w in self.workers])
 
     def _ranges(self, count: int) -> list[tuple[int, int]]:
         return contiguous_split([1] * count, len(self.workers))
