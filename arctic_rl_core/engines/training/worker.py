@@ -457,7 +457,11 @@ class DeepSpeedWorker:
         self.ipc_close()
         moved = self._offload.sleep(mode)
         empty_device_cache()
-        return {"rank": self.rank, "mode": mode, "moved": sorted(moved), "freed_bytes": before - device_memory()}
+        return {
+            "rank": self.rank, "mode": mode, "moved": sorted(moved), "freed_bytes": before - device_memory(),
+            # What PyTorch still holds on the device for this process (asleep in "all": next to nothing).
+            "reserved_bytes": device_memory(reserved=True),
+        }  # fmt: skip
 
     def wake(self) -> dict:
         if self.device.type != "cuda" or not self._offload.asleep:
