@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import sys
 import tempfile
 import time
@@ -70,14 +71,14 @@ def _server_workers(server) -> list[tuple[str, object]]:
 
 
 def _allocator_stats(_worker) -> dict:
-    """Runs inside a worker: what PyTorch's allocator holds, and the process's device memory outside it."""
+    """Runs inside a worker: what PyTorch's allocator holds there (GiB), and the worker's pid."""
     stats = torch.cuda.memory_stats()
     return {
         "allocated": torch.cuda.memory_allocated() / 2**30,
         "reserved": torch.cuda.memory_reserved() / 2**30,
         "segments": stats.get("segment.all.current", 0),
         "alloc_retries": stats.get("num_alloc_retries", 0),
-        "pid": __import__("os").getpid(),
+        "pid": os.getpid(),
     }
 
 
