@@ -281,17 +281,17 @@ def print_profile(model, side: str, forward, batch, top: int) -> None:
     print(f"      host waits for the GPU in one {side} step ({sum(sites.values())}): {waits}")
 
 
-def compile_blocks(model) -> None:
-    """Compile the element-wise blocks (norms, gated MLP) in place; attention stays as it is."""
-    for module in model.modules():
-        if type(module).__name__.endswith(("RMSNorm", "MLP")):
-            module.compile(dynamic=True)
+# What each --compile-* flag compiles in place on both sides (by class-name suffix), and its header note.
+# ZoRRo's forest attention is never traced: a compiled decoder layer breaks its graph there.
+COMPILED = {
+    "compile_blocks": (("RMSNorm", "MLP"), "norms and MLPs compiled"),
+    "compile_layers": (("DecoderLayer",), "decoder layers compiled"),
+}
 
 
-def compile_layers(model) -> None:
-    """Compile each decoder layer in place (both sides); ZoRRo's forest attention stays outside the graph."""
+def compile_modules(model, suffixes: tuple[str, ...]) -> None:
     for module in model.modules():
-        if type(module).__name__.endswith("DecoderLayer"):
+        if type(module).__name__.endswith(suffixes):
             module.compile(dynamic=True)
 
 
@@ -321,17 +321,14 @@ def main() -> None:
     with torch.device(device) if device.type == "cuda" else contextlib.nullcontext():
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
     model.to(device).train()
-    if args.compile_blocks:
-        compile_blocks(model)
-    if args.compile_layers:
-        compile_layers(model)
+    notes = []
+    for flag, (suffixes, note) in COMPILED.items():
+        if getattr(args, flag):
+            compile_modules(model, suffixes)
+            notes.append(note)
     name = "tiny Qwen2 (fp32)" if args.tiny else "Qwen2-0.5B shape, random weights (bf16)"
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
-    print(
-        f"{name} on {where}; torch {torch.__version__}"
-        + ("; norms and MLPs compiled" if args.compile_blocks else "")
-        + ("; decoder layers compiled" if args.compile_layers else "")
-    )
+    print("; ".join([f"{name} on {where}", f"torch {torch.__version__}", *notes]))
     for case in TINY_CASES if args.tiny else GPU_CASES:
         if args.samples and case.samples not in args.samples:
             continue
