@@ -54,18 +54,23 @@ def device_memory(reserved: bool = False) -> int:
     return torch.cuda.memory_reserved() if reserved else torch.cuda.memory_allocated()
 
 
-def empty_device_cache() -> None:
-    """Give the driver back every cached segment, cuBLAS's workspaces included.
+def clear_cublas_workspaces() -> None:
+    """Drop cuBLAS's workspaces: PyTorch keeps a 32 MiB one per (handle, stream), for the whole process.
 
-    cuBLAS keeps a 32 MiB workspace per (handle, stream) in PyTorch's allocator, placed wherever the
-    first matmul found room: often inside a large activation segment, which it then pins (a sleeping
-    training engine held 1 GiB that way). The next matmul allocates a fresh one.
+    Each is allocated wherever the first matmul on that handle and stream found room: often inside a
+    large activation segment, which it then pins (a sleeping training engine held 1 GiB that way), or
+    inside a CUDA-graph pool during capture, which it then outlives. The next matmul allocates afresh.
     """
+    clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)  # CUDA builds only
+    if clear is not None and torch.cuda.is_available():
+        clear()
+
+
+def empty_device_cache() -> None:
+    """Give the driver back every cached segment, cuBLAS's workspaces included."""
     import gc
 
     gc.collect()
     if torch.cuda.is_available():
-        clear_cublas_workspaces = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)  # CUDA builds only
-        if clear_cublas_workspaces is not None:
-            clear_cublas_workspaces()
+        clear_cublas_workspaces()
         torch.cuda.empty_cache()

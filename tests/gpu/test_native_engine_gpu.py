@@ -1,5 +1,7 @@
 """The native engine on CUDA: HF-exact greedy in float32 with CUDA graphs, FCA on/off, sleep/wake, weights."""
 
+import gc
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
@@ -18,6 +20,14 @@ GREEDY = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
 def models(tmp_path_factory):
     root = tmp_path_factory.mktemp("native-gpu")
     return {family: build_tiny_model(root / family, TinySpec(family=family)) for family in ("qwen2", "qwen3", "llama")}
+
+
+@pytest.fixture(autouse=True)
+def _release_engines():
+    """Each engine takes its share of the device as measured when built, so the last test's must be gone."""
+    yield
+    gc.collect()
+    torch.cuda.empty_cache()
 
 
 def _engine(path, **options) -> NativeEngine:
@@ -82,6 +92,35 @@ def test_sleep_frees_device_memory_and_wake_restores_it(models):
     assert torch.cuda.memory_allocated() <= allocated - freed["kv_cache"] - freed["weights"]
     engine.wake()
     _close(engine.generate(PROMPTS, GREEDY), before, 1e-5)
+
+
+def test_sleep_wake_cycles_on_another_thread_leave_no_memory_behind(models):
+    """As in the sampling worker: built on one thread, woken (graphs recaptured) on the engine loop's.
+
+    A matmul on a new thread gets a new cuBLAS handle, and with it a 32 MiB workspace. Allocated during a
+    capture, that workspace used to outlive the graphs and stay through every later sleep (+33 MiB once).
+    """
+    import concurrent.futures
+
+    from arctic_rl_core.engines.runtime import clear_cublas_workspaces
+
+    clear_cublas_workspaces()  # earlier tests' workspaces would count against "before"
+    before = torch.cuda.memory_allocated()
+    engine = _engine(models["qwen2"])
+    engine.generate(PROMPTS, GREEDY)
+    engine.sleep(1)
+    asleep = torch.cuda.memory_allocated()
+    weights = sum(p.numel() * p.element_size() for p in engine.runner.model.parameters())
+    print(f"asleep: weights {weights / 2**20:.1f} MiB, everything else {(asleep - before - weights) / 2**20:.1f} MiB")
+    # Level 1 keeps the weights and small staging buffers; no cuBLAS workspace (32 MiB) stays behind.
+    assert asleep - before - weights < 16 * 2**20
+    with concurrent.futures.ThreadPoolExecutor(max_workers=1) as loop:
+        for _ in range(3):
+            loop.submit(lambda: (engine.wake(), engine.generate(PROMPTS, GREEDY))).result()
+            assert engine.runner.graphs
+            engine.sleep(1)
+            assert torch.cuda.memory_allocated() == asleep
+    engine.shutdown()
 
 
 def test_load_weights_from_device_tensors_then_weight_norm_matches(models):

@@ -25,6 +25,7 @@ from typing import Hashable, Iterable
 
 import torch
 
+from arctic_rl_core.engines.runtime import empty_device_cache
 from arctic_rl_core.engines.sampling.native.block_manager import BlockManager
 from arctic_rl_core.engines.sampling.native.config import EngineConfig
 from arctic_rl_core.engines.sampling.native.model_runner import ModelRunner
@@ -279,7 +280,7 @@ class NativeEngine:
             self._asleep.add("weights")
         self.block_manager.reset_prefix_cache()
         if self.config.device.type == "cuda":
-            torch.cuda.empty_cache()
+            empty_device_cache()  # the graphs are gone, so their pool and cuBLAS's workspaces can go too
         return {"level": level, "freed_bytes": freed}
 
     def wake(self, tags: list[str] | None = None) -> dict:

@@ -15,6 +15,7 @@ import os
 import numpy as np
 import torch
 
+from arctic_rl_core.engines.runtime import clear_cublas_workspaces
 from arctic_rl_core.engines.sampling.native.attention import AttentionMetadata
 from arctic_rl_core.engines.sampling.native.config import EngineConfig
 from arctic_rl_core.engines.sampling.native.model import CausalLM
@@ -320,6 +321,10 @@ class ModelRunner:
         self.staging.dev.copy_(self.staging.host)
         self.graph_pool = torch.cuda.graph_pool_handle()
         variants = (False, True) if self.config.use_fca else (False,)
+        # The captures' cuBLAS workspace must live in the graphs' pool and go with it: cleared before, it is
+        # allocated there; cleared after, no later matmul reuses it and nothing outside keeps the pool alive.
+        # Otherwise each recapture (after every sleep) may add a 32 MiB workspace that is never freed.
+        clear_cublas_workspaces()
         for n in reversed(self.graph_sizes):
             for wide in variants:
                 self._decode_eager(n, wide)  # warm-up outside capture: compiles kernels, settles allocations
@@ -328,6 +333,7 @@ class ModelRunner:
                     self.graph_logits[(n, wide)] = self._decode_eager(n, wide)
                 self.graphs[(n, wide)] = graph
         torch.cuda.synchronize(self.device)
+        clear_cublas_workspaces()
 
     def drop_graphs(self) -> None:
         self.graphs.clear()
