@@ -108,9 +108,16 @@ def per_process(client) -> dict[str, dict]:
     report = {}
     for name, worker in workers:
         stats = ray.get(worker.__ray_call__.remote(_allocator_stats))
-        if stats["pid"] in used:
-            stats["device_used"] = used[stats["pid"]]
-        report[f"{name} pid {stats.pop('pid')}"] = stats
+        pid = stats.pop("pid")
+        if pid in used:
+            stats["device_used"] = used.pop(pid)
+        report[f"{name} pid {pid}"] = stats
+    # Every other process on the device (this driver's own CUDA context among them), then what the
+    # driver counts against no process at all (its page tables and IPC mappings, for instance).
+    for pid, gib in used.items():
+        report[f"{'this driver' if pid == os.getpid() else 'other'} pid {pid}"] = {"device_used": gib}
+    counted = sum(stats.get("device_used", 0.0) for stats in report.values())
+    report["not counted against any process"] = {"device_used": used_gib() - counted}
     return report
 
 
