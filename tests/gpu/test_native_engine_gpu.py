@@ -1,11 +1,13 @@
 """The native engine on CUDA: HF-exact greedy in float32 with CUDA graphs, FCA on/off, sleep/wake, weights."""
 
+import concurrent.futures
 import gc
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from arctic_rl_core.engines.runtime import clear_cublas_workspaces
 from arctic_rl_core.engines.sampling.native import NativeEngine
 from arctic_rl_core.engines.sampling.protocol import SamplingEngineOptions, SamplingParams
 from arctic_rl_core.models.tiny import TinySpec, build_tiny_model
@@ -100,10 +102,6 @@ def test_sleep_wake_cycles_on_another_thread_leave_no_memory_behind(models):
     A matmul on a new thread gets a new cuBLAS handle, and with it a 32 MiB workspace. Allocated during a
     capture, that workspace used to outlive the graphs and stay through every later sleep (+33 MiB once).
     """
-    import concurrent.futures
-
-    from arctic_rl_core.engines.runtime import clear_cublas_workspaces
-
     clear_cublas_workspaces()  # earlier tests' workspaces would count against "before"
     before = torch.cuda.memory_allocated()
     engine = _engine(models["qwen2"])
