@@ -20,6 +20,7 @@ from trl import GRPOConfig  # noqa: E402
 from arctic_rl_core import ArcticRLClientConfig  # noqa: E402
 from arctic_rl_trl import ArcticGRPOTrainer, UnsupportedGRPOOption  # noqa: E402
 from arctic_rl_trl.engine_config import training_config_from_grpo  # noqa: E402
+from tests.installed import require  # noqa: E402
 
 
 def constant_reward(completions, **_):
@@ -55,7 +56,7 @@ def test_use_vllm_with_the_arctic_sampler_is_refused_by_name(tiny_model, tmp_pat
 
 
 def test_peft_config_is_refused_by_name(tiny_model, tmp_path):
-    peft = pytest.importorskip("peft")
+    peft = require("peft", "pip install peft")
     lora = peft.LoraConfig(r=4, target_modules=["q_proj"])
     with pytest.raises(UnsupportedGRPOOption, match=r"peft_config='LoraConfig': PEFT is not supported"):
         build(tiny_model, grpo_args(tmp_path), arctic_config(tiny_model), peft_config=lora)

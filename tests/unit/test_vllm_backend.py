@@ -6,9 +6,10 @@ from transformers import AutoModelForCausalLM
 
 from arctic_rl_core.engines.sampling.protocol import SamplingEngineOptions, SamplingParams
 from arctic_rl_core.models.tiny import TinySpec, build_tiny_model
+from tests.installed import require_vllm
 
 pytestmark = pytest.mark.vllm
-pytest.importorskip("vllm")
+require_vllm()
 
 PROMPT = list(range(40, 140))
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)

@@ -7,9 +7,10 @@ import pytest
 from arctic_rl_core.engines.sampling.protocol import SamplingEngineOptions
 from arctic_rl_core.engines.sampling.vllm import num_replicas, select_sampling_backend, vllm_engine_kwargs
 from arctic_rl_core.engines.sampling.vllm.engine_args import CPU_KV_CACHE_BYTES, fca_requested
+from tests.installed import require_vllm
 
 pytestmark = pytest.mark.vllm
-pytest.importorskip("vllm")
+require_vllm()
 
 
 def kwargs(**options):
@@ -92,15 +93,15 @@ def test_num_replicas_is_sampling_gpus_over_tensor_parallel_size():
 
 
 def test_vllm_is_selected_by_name_where_its_build_matches_and_auto_keeps_cpu_on_native():
+    from arctic_rl_core.engines.sampling import native
     from arctic_rl_core.engines.sampling.vllm import VLLMBackend
 
-    native = pytest.importorskip("arctic_rl_core.engines.sampling.native")
     assert select_sampling_backend("vllm", "cpu") is VLLMBackend
     assert select_sampling_backend("auto", "cpu") is native.NativeEngine
 
 
 def test_native_is_selected_by_name_and_vllm_for_a_device_it_lacks_is_refused():
-    native = pytest.importorskip("arctic_rl_core.engines.sampling.native")
+    from arctic_rl_core.engines.sampling import native
 
     assert select_sampling_backend("native", "cpu") is native.NativeEngine
     assert select_sampling_backend("auto", "cuda") is native.NativeEngine

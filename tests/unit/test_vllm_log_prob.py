@@ -6,9 +6,10 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from arctic_rl_core.engines.sampling.protocol import SamplingEngineOptions
 from arctic_rl_core.models.tiny import TinySpec, build_tiny_model
+from tests.installed import require_vllm
 
 pytestmark = pytest.mark.vllm
-pytest.importorskip("vllm")
+require_vllm()
 
 TOL = 1e-4
 

@@ -13,9 +13,10 @@ from transformers import AutoModelForCausalLM
 
 from arctic_rl_core.engines.sampling.protocol import SamplingEngineOptions, SamplingParams
 from arctic_rl_core.models.tiny import TinySpec, build_tiny_model
+from tests.installed import require_vllm
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
-pytest.importorskip("vllm")
+require_vllm()
 
 CPUS = sorted(os.sched_getaffinity(0))
 
