@@ -99,7 +99,8 @@ def _device_used_by_pid() -> dict[int, float]:
 
 
 def per_process(client) -> dict[str, dict]:
-    """Allocator figures of every engine process, read through Ray (``--per-process``)."""
+    """Every engine process's allocator figures (read through Ray), then the driver's count for every
+    other process on the device and for none (``--per-process``): the rows sum to the device total."""
     import ray
 
     server = client._transport.actor
