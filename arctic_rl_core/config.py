@@ -232,6 +232,12 @@ class TrainingConfig(BaseModel):
     optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig)
     dtype: Literal["float32", "bfloat16", "float16"] = "bfloat16"
     gradient_checkpointing: bool = False
+    cuda_graphs: bool = Field(
+        False,
+        description="Replay the decoder layers' forward and backward in fwd_bwd as CUDA graphs when a batch's "
+        "shape repeats (captured on its second sight). For small, host-bound steps; CUDA only, not under "
+        "ZeRO-3 or gradient checkpointing. Graph memory pools are kept until the engine sleeps.",
+    )
     attn_impl: Literal["sdpa", "eager", "flash_attention_2", "flex_attention"] = "sdpa"
     mb_spec: MicroBatchSpec = Field(default_factory=MicroBatchSpec)
     zorro_train: ZorroTrainConfig = Field(default_factory=ZorroTrainConfig)

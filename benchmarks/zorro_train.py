@@ -19,6 +19,7 @@ micro-batches instead of one). On CUDA also where the kernel time goes.
 
     python benchmarks/zorro_train.py                 # GPU: Qwen2-0.5B shape, bf16
     python benchmarks/zorro_train.py --tiny          # CPU: a tiny Qwen2, fp32, in seconds
+    python benchmarks/zorro_train.py --cuda-graphs   # GPU: both sides' layers replayed as CUDA graphs
 """
 
 from __future__ import annotations
@@ -35,9 +36,11 @@ import torch
 from transformers import AutoModelForCausalLM, Qwen2Config
 
 from arctic_rl_core.engines.token_outputs import selected_logprobs
-from arctic_rl_core.models.forward import lm_head
+from arctic_rl_core.models.forward import decoder_body, lm_head
 from arctic_rl_core.models.forward import selected_hidden_states as plain_selected_hidden_states
+from arctic_rl_core.models.layer_graphs import release_layer_graphs
 from arctic_rl_core.zorro import train as zorro_train
+from arctic_rl_core.zorro.train import attention as zorro_attention
 
 # Qwen/Qwen2-0.5B's config.json, with random weights.
 QWEN2_0_5B = dict(
@@ -141,6 +144,9 @@ def synchronize(device: torch.device) -> None:
 
 def measure(model, forward, batch, device, warmup: int, iters: int) -> tuple[float, float | None]:
     """Seconds per step and peak memory in GB (None off CUDA)."""
+    release_layer_graphs(decoder_body(model))  # each measurement holds only the graphs it captures
+    if device.type == "cuda":
+        torch.cuda.empty_cache()  # and the released pools leave the device
     for _ in range(warmup):
         step(model, forward, batch)
     model.zero_grad(set_to_none=True)
@@ -152,8 +158,17 @@ def measure(model, forward, batch, device, warmup: int, iters: int) -> tuple[flo
         step(model, forward, batch)
     synchronize(device)
     seconds = (time.perf_counter() - start) / iters
-    peak = torch.cuda.max_memory_allocated(device) / 1e9 if device.type == "cuda" else None
+    peak = (torch.cuda.max_memory_allocated(device) + graph_pool_bytes()) / 1e9 if device.type == "cuda" else None
     return seconds, peak
+
+
+def graph_pool_bytes() -> int:
+    """Device memory held by CUDA graphs' private pools.
+
+    A capture's activations are free blocks of its pool between replays, so the
+    allocator's peak misses them; the benchmark adds every such segment to it.
+    """
+    return sum(s["total_size"] for s in torch.cuda.memory_snapshot() if tuple(s["segment_pool_id"]) != (0, 0))
 
 
 KERNEL_KINDS = (
@@ -179,6 +194,53 @@ def kernel_profile(model, forward, batch) -> tuple[dict[str, float], list[tuple[
         totals[kind] += event.self_device_time_total / 1e3
         kernels.append((event.self_device_time_total / 1e3, event.key))
     return totals, sorted(kernels, reverse=True)
+
+
+def gpu_idle(model, forward, batch, min_gap_us: float = 50.0):
+    """Where one step leaves the GPU idle.
+
+    Returns the step's ms (from the host's first op to the GPU's last kernel), the ms
+    without a kernel running, how many such gaps there were, and the gaps of at least
+    ``min_gap_us`` as (ms, ms into the step, the outermost host ops that ran meanwhile:
+    what the GPU was waiting for).
+    """
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    # Two steps: the profiler's own start-up lands in the first, which is left out.
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(2):
+            with record_function("benchmark.step"):
+                step(model, forward, batch)
+            torch.cuda.synchronize()
+    events = prof.events()
+    start = max(e.time_range.start for e in events if e.name == "benchmark.step")
+    kernels = sorted(
+        (e.time_range.start, e.time_range.end)
+        for e in events
+        if e.device_type == DeviceType.CUDA and e.time_range.start >= start
+    )
+    # What the host ran at the outermost level inside the step (named by its record_function labels).
+    host = [
+        e
+        for e in events
+        if e.device_type == DeviceType.CPU and e.cpu_parent is not None and e.cpu_parent.name == "benchmark.step"
+    ]
+    host = [e for e in host if e.time_range.start >= start]
+    end = max(k[1] for k in kernels)
+    gaps, busy_until = [], start
+    for k0, k1 in kernels:
+        if k0 > busy_until:
+            gaps.append((busy_until, k0))
+        busy_until = max(busy_until, k1)
+    named = []
+    for g0, g1 in gaps:
+        if g1 - g0 >= min_gap_us:
+            ops = [e.name for e in host if e.time_range.start < g1 and e.time_range.end > g0]
+            names = ", ".join(dict.fromkeys(ops).keys())
+            named.append(((g1 - g0) / 1e3, (g0 - start) / 1e3, names[:100]))
+    idle = sum(g1 - g0 for g0, g1 in gaps) / 1e3
+    return (end - start) / 1e3, idle, len(gaps), sorted(named, reverse=True)
 
 
 def sync_sites(model, forward, batch) -> collections.Counter:
@@ -210,9 +272,17 @@ def on_off(flag: bool) -> str:
     return "on" if flag else "off"
 
 
-def run_case(model, case: Case, device, warmup: int, iters: int, profile: bool, kernel: str, top: int) -> None:
+def run_case(
+    model, case: Case, device, warmup: int, iters: int, profile: bool, kernel: str, top: int, graphs: bool
+) -> None:
     def zorro(*args):
-        return zorro_train.selected_hidden_states(*args, kernel=kernel)
+        return zorro_train.selected_hidden_states(*args, kernel=kernel, cuda_graphs=graphs)
+
+    def plain(*args):
+        return plain_selected_hidden_states(*args)
+
+    def plain_graphed(*args):
+        return plain_selected_hidden_states(*args, cuda_graphs=True)
 
     batch = grpo_batch(case, model.config.vocab_size, device)
     plan_start = time.perf_counter()
@@ -224,30 +294,38 @@ def run_case(model, case: Case, device, warmup: int, iters: int, profile: bool, 
     )
 
     set_checkpointing(model, case.checkpointing)
-    plain_s, plain_mem = measure(model, plain_selected_hidden_states, batch, device, warmup, iters)
-    step(model, plain_selected_hidden_states, batch)
+    attention = model.config._attn_implementation.removeprefix("zorro_")
+    # The baseline is the faster plain path: eager, or (with --cuda-graphs, where they run) graphed.
+    plain_sides = [(plain, f"plain, padded batch ({attention}), checkpointing {on_off(case.checkpointing)}")]
+    if graphs and not case.checkpointing:
+        plain_sides.append((plain_graphed, f"plain, padded batch ({attention}), CUDA graphs"))
+    plain_s = plain_mem = None
+    for forward, label in plain_sides:
+        seconds, peak = measure(model, forward, batch, device, warmup + 2 * (forward is plain_graphed), iters)
+        print(f"   {label:<58}: {seconds * 1e3:8.1f} ms  {memory(peak)}")
+        if profile:
+            print_profile(model, "plain", forward, batch, top)
+        if plain_s is None or seconds < plain_s:
+            plain_s, plain_mem = seconds, peak
+    step(model, plain, batch)
     plain_grads = flat_grads(model)
-    step(model, plain_selected_hidden_states, batch, row_splits=2)
+    step(model, plain, batch, row_splits=2)
     noise = rel_diff(flat_grads(model), plain_grads)
-    plain_label = (
-        f"plain, padded batch ({model.config._attn_implementation.removeprefix('zorro_')}), "
-        f"checkpointing {on_off(case.checkpointing)}"
-    )
-    print(f"   {plain_label:<58}: {plain_s * 1e3:8.1f} ms  {memory(plain_mem)}")
-    if profile:
-        print_profile(model, "plain", plain_selected_hidden_states, batch, top)
 
     for i, checkpointing in enumerate(case.zorro_checkpointing):
         set_checkpointing(model, checkpointing)
-        # One more warm-up: the first call compiles FlexAttention for this shape.
-        zorro_s, zorro_mem = measure(model, zorro, batch, device, warmup + 1, iters)
+        # One more warm-up: the first call compiles FlexAttention for this shape; two more for
+        # graphs: a shape is captured the second time it is seen, and replayed from the third.
+        zorro_s, zorro_mem = measure(model, zorro, batch, device, warmup + 1 + 2 * graphs, iters)
         step(model, zorro, batch)
         diff = rel_diff(flat_grads(model), plain_grads)
         used = kernel if kernel != "auto" else zorro_train.default_kernel(device, model.dtype)
         label = f"zorro, prefix forest ({used}), checkpointing {on_off(checkpointing)}"
+        if graphs and not checkpointing:
+            label += ", CUDA graphs"
         print(f"   {label:<58}: {zorro_s * 1e3:8.1f} ms  {memory(zorro_mem)}")
         targets = i == 0
-        line = f"      speedup {plain_s / zorro_s:.2f}x" + (
+        line = f"      speedup {plain_s / zorro_s:.2f}x over the faster plain path" + (
             f" (target >= {case.speedup_target}x)" if targets and case.speedup_target else ""
         )
         if plain_mem is not None:
@@ -279,6 +357,13 @@ def print_profile(model, side: str, forward, batch, top: int) -> None:
     sites = sync_sites(model, forward, batch)
     waits = ", ".join(f"{site} x{n}" for site, n in sites.most_common()) or "none"
     print(f"      host waits for the GPU in one {side} step ({sum(sites.values())}): {waits}")
+    span, idle, count, long_gaps = gpu_idle(model, forward, batch)
+    print(
+        f"      GPU idle in one {side} step: {idle:.1f} of {span:.1f} ms, in {count} gaps between kernels; "
+        f"{len(long_gaps)} of them >= 50 us" + (", the longest:" if long_gaps else "")
+    )
+    for ms, at, ops in long_gaps[:4]:
+        print(f"        {ms:6.2f} ms at {at:6.1f} ms, while the host ran: {ops}")
 
 
 # What each --compile-* flag compiles in place on both sides (by class-name suffix), and its header note.
@@ -311,9 +396,20 @@ def main() -> None:
         "--compile-layers", action="store_true",
         help="torch.compile each decoder layer (both sides); ZoRRo's attention call stays eager",
     )  # fmt: skip
+    parser.add_argument(
+        "--cuda-graphs", action="store_true",
+        help="replay the decoder layers as CUDA graphs on both sides (where they run: not under checkpointing)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--split", default="auto", choices=("auto", "on", "off"),
+        help="varlen kernel: split the forest onto cuDNN by the engine's rule (auto), wherever cuDNN runs (on), never (off)",
+    )  # fmt: skip
     parser.add_argument("--samples", type=int, nargs="*", help="run only the cases with these G (default: all)")
     args = parser.parse_args()
 
+    if args.split != "auto":
+        threshold = 0 if args.split == "on" else 1 << 62
+        zorro_attention.SPLIT_MIN_PAIRS = zorro_attention.SPLIT_MIN_PAIRS_GRAPHED = threshold
     device = torch.device("cuda" if torch.cuda.is_available() and not args.tiny else "cpu")
     dtype = torch.float32 if args.tiny else torch.bfloat16
     config = Qwen2Config(**(TINY if args.tiny else QWEN2_0_5B))
@@ -328,13 +424,23 @@ def main() -> None:
             notes.append(note)
     name = "tiny Qwen2 (fp32)" if args.tiny else "Qwen2-0.5B shape, random weights (bf16)"
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
+    if args.cuda_graphs:
+        notes.append("decoder layers as CUDA graphs where they run")
     print("; ".join([f"{name} on {where}", f"torch {torch.__version__}", *notes]))
     for case in TINY_CASES if args.tiny else GPU_CASES:
         if args.samples and case.samples not in args.samples:
             continue
         profile = device.type == "cuda" and not args.no_profile
         run_case(
-            model, case, device, args.warmup, args.iters, profile=profile, kernel=args.kernel, top=args.top_kernels
+            model,
+            case,
+            device,
+            args.warmup,
+            args.iters,
+            profile=profile,
+            kernel=args.kernel,
+            top=args.top_kernels,
+            graphs=args.cuda_graphs and device.type == "cuda",
         )
 
 

@@ -14,7 +14,8 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from arctic_rl_core.models.forward import lm_head, selected_hidden_states
+from arctic_rl_core.models.forward import decoder_body, lm_head, selected_hidden_states
+from arctic_rl_core.models.layer_graphs import replay_count
 
 logger = logging.getLogger(__name__)
 
@@ -44,6 +45,7 @@ def token_outputs(
     entropy: EntropyMode = "none",
     zorro=None,
     top_k: int = 0,
+    cuda_graphs: bool = False,
 ) -> TokenOutputs:
     """Log-probs of ``input_ids[:, t+1]`` at every selected position t (and entropy there).
 
@@ -51,22 +53,33 @@ def token_outputs(
     ``entropy="metric"`` computes it without gradient, ``"grad"`` with.
     ``zorro`` (a ZorroTrainConfig) packs shared prefixes when enabled.
     ``top_k`` > 0 also returns the k most likely next tokens and their log-probs.
+    ``cuda_graphs`` replays the decoder layers as CUDA graphs where the shape repeats (with autograd on).
     """
     metrics: dict[str, tuple[float, float]] = {}
     labels = torch.roll(input_ids, shifts=-1, dims=1)[select]  # before the forward: it waits for the GPU
+    replays = replay_count(decoder_body(model)) if cuda_graphs else 0
     if zorro is not None and zorro.enable:
         from arctic_rl_core.zorro.train import build_prefix_forest
         from arctic_rl_core.zorro.train import selected_hidden_states as packed_hidden_states
 
         forest = build_prefix_forest(input_ids, attention_mask, select)
         hidden = packed_hidden_states(
-            model, input_ids, attention_mask, select, min_shared_tokens=zorro.min_shared_tokens, forest=forest
+            model,
+            input_ids,
+            attention_mask,
+            select,
+            min_shared_tokens=zorro.min_shared_tokens,
+            forest=forest,
+            cuda_graphs=cuda_graphs,
         )
         stats = forest.stats
         # Reduced as sum/weight across micro-batches and ranks: real tokens per computed token.
         metrics["zorro_train/dedup_ratio"] = (float(stats.tokens_real), float(max(stats.tokens_packed, 1)))
     else:
-        hidden = selected_hidden_states(model, input_ids, attention_mask, select)
+        hidden = selected_hidden_states(model, input_ids, attention_mask, select, cuda_graphs=cuda_graphs)
+    if cuda_graphs:
+        # The share of micro-batches whose layers replayed graphs: whether the option pays here.
+        metrics["cuda_graphs/replayed"] = (float(replay_count(decoder_body(model)) - replays), 1.0)
     head = lm_head(model)
     logprob_rows, entropy_rows, top = selected_logprobs(head, hidden, labels, post=post, entropy=entropy, top_k=top_k)
     logprobs = _scatter(logprob_rows, select)

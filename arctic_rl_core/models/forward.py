@@ -10,8 +10,12 @@ with a packed computation that returns the same rows.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from torch import nn
+
+from arctic_rl_core.models.layer_graphs import layer_graphs
 
 
 def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
@@ -35,16 +39,34 @@ def lm_head(model: nn.Module) -> nn.Module:
 
 
 def selected_hidden_states(
-    model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, select: torch.Tensor
+    model: nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    select: torch.Tensor,
+    *,
+    cuda_graphs: bool = False,
 ) -> torch.Tensor:
-    """Final hidden states at ``select`` (a [B, T] bool mask), as [N, H] rows in row-major order."""
+    """Final hidden states at ``select`` (a [B, T] bool mask), as [N, H] rows in row-major order.
+
+    ``cuda_graphs`` replays the decoder layers as CUDA graphs when the batch's shape
+    repeats (``arctic_rl_core.models.layer_graphs``), where they can run.
+    """
     # Found before the forward: a boolean index makes the host wait for the GPU, and after
     # the forward that wait would empty the queue the backward is about to need.
     rows = select.flatten().nonzero().squeeze(1)
-    out = decoder_body(model)(
-        input_ids=input_ids,
-        attention_mask=attention_mask,
-        position_ids=position_ids_from_mask(attention_mask),
-        use_cache=False,
-    )
+    body = decoder_body(model)
+    graphs = layer_graphs(body) if cuda_graphs and torch.is_grad_enabled() else None
+    if graphs is not None:
+        # HF drops an all-ones mask for causal attention, a choice made on the host: part of the key.
+        key = ("padded", tuple(input_ids.shape), bool(attention_mask.all()))
+        context = graphs.run(key)
+    else:
+        context = contextlib.nullcontext()
+    with context:
+        out = body(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids_from_mask(attention_mask),
+            use_cache=False,
+        )
     return out.last_hidden_state.flatten(0, 1).index_select(0, rows)

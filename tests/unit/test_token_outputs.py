@@ -51,3 +51,24 @@ def test_top_k_survives_chunking(monkeypatch):
         chunked = module.token_outputs(model, ids, torch.ones_like(ids), select, top_k=3)
     assert torch.equal(chunked.top_ids, whole.top_ids)
     torch.testing.assert_close(chunked.top_logprobs, whole.top_logprobs)
+
+
+@pytest.mark.parametrize("zorro", [False, True], ids=["plain", "zorro"])
+def test_cuda_graphs_off_cuda_leave_the_forward_eager_and_say_so(caplog, zorro):
+    from arctic_rl_core.config import ZorroTrainConfig
+
+    model = _model()
+    prompt = torch.randint(0, 97, (1, 24), generator=torch.Generator().manual_seed(2)).expand(3, -1)
+    ids = torch.cat([prompt, torch.randint(0, 97, (3, 6), generator=torch.Generator().manual_seed(3))], 1)
+    mask = torch.ones_like(ids)
+    select = torch.zeros_like(ids, dtype=torch.bool)
+    select[:, 23:-1] = True
+    config = ZorroTrainConfig(enable=zorro)
+
+    with caplog.at_level("INFO", logger="arctic_rl_core.models.layer_graphs"):
+        graphed = module.token_outputs(model, ids, mask, select, zorro=config, cuda_graphs=True)
+    eager = module.token_outputs(model, ids, mask, select, zorro=config)
+    torch.testing.assert_close(graphed.logprobs, eager.logprobs, rtol=0, atol=0)
+    assert graphed.metrics["cuda_graphs/replayed"] == (0.0, 1.0)
+    assert "cuda_graphs/replayed" not in eager.metrics
+    assert "CUDA graphs of the decoder layers are off: the model is not on CUDA" in caplog.text

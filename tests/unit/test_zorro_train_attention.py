@@ -128,8 +128,11 @@ def test_split_layout_passes_cover_each_query_once_per_ancestor_level():
     # system prompt -> questions -> samples: two levels of ancestors; the own pass is every node once.
     assert len(layout.ancestors) == 2
     assert torch.equal(layout.own.q_index, torch.arange(len(forest.token_ids)))
-    for p in layout.ancestors:
-        assert len(set(p.q_index.tolist())) == len(p.q_index), "a query appears twice within one pass"
+    for spans in layout.ancestors:
+        queries = [q for q0, q1, _, _ in spans for q in range(q0, q1)]
+        assert len(set(queries)) == len(queries), "a query appears twice within one pass"
+        for q0, q1, k0, k1 in spans:  # a node's descendants follow its own tokens, up to its subtree's end
+            assert k0 < k1 == q0 < q1 and int(forest.subtree_end[k0]) == q1
 
 
 @pytest.mark.parametrize("forest", ["grpo", "nested"])

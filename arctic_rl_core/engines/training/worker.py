@@ -24,6 +24,8 @@ from arctic_rl_core.engines.token_outputs import TokenOutputs, token_outputs
 from arctic_rl_core.engines.training.deepspeed_setup import build_ds_config, build_optimizer, lr_multiplier
 from arctic_rl_core.engines.training.offload import LP, NON_LP, EngineOffload
 from arctic_rl_core.errors import EngineAsleep
+from arctic_rl_core.models.forward import decoder_body
+from arctic_rl_core.models.layer_graphs import release_layer_graphs
 
 logger = logging.getLogger(__name__)
 
@@ -151,6 +153,7 @@ class DeepSpeedWorker:
             entropy=entropy,
             zorro=self.spec.training.zorro_train,
             top_k=top_k,
+            cuda_graphs=self.spec.training.cuda_graphs,
         )
 
     def fwd_bwd(self, batch: RowBatch, call: LossCall) -> dict:
@@ -455,6 +458,7 @@ class DeepSpeedWorker:
             return {"rank": self.rank, "mode": mode, "moved": [], "reason": "device is cpu: nothing to offload"}
         before = device_memory()
         self.ipc_close()
+        release_layer_graphs(decoder_body(self.model))  # their pools hold a step's activations
         moved = self._offload.sleep(mode)
         empty_device_cache()
         return {

@@ -61,8 +61,11 @@ FOREST_ATTENTION_KWARG = "zorro_forest_attention"
 IMPLEMENTATION_PREFIX = "zorro_"
 # Base implementations the dispatcher can stand in front of (HF checks "flash" names specially).
 BASE_IMPLEMENTATIONS = ("sdpa", "flex_attention")
-# Query-key pairs of the largest ancestor sequence from which the cuDNN split beats gathered FlashAttention.
+# Query-key pairs of the largest ancestor span from which the cuDNN split beats gathered FlashAttention:
+# eager, where the split's per-span host work counts; and with the layers replayed as CUDA graphs,
+# where it does not (H200, G=8 P=2K R=512, an 8M-pair span: 77.8 ms a step split, 81.0 gathered).
 SPLIT_MIN_PAIRS = 32 << 20
+SPLIT_MIN_PAIRS_GRAPHED = 4 << 20
 # FlexAttention's sparse block: packed sequences are padded to a multiple of it.
 FLEX_BLOCK = 128
 
@@ -123,6 +126,7 @@ class ForestAttention:
         self._split: SplitLayout | None = None  # on the device, once a call takes the split
         self._split_ops = FlashVarlenOps() if device.type == "cuda" else ReferenceOps()
         self._takes_split: dict[tuple, bool] = {}  # per (device, dtype, head dim): every layer asks
+        self._graphed = False  # whether the layers run as CUDA graphs: the split then costs no host time
         self._masks: dict[int | None, torch.Tensor | BlockMask] = {}
 
     @property
@@ -178,23 +182,51 @@ class ForestAttention:
         return out.transpose(1, 2).contiguous()
 
     def _split_taken(self, query: torch.Tensor) -> bool:
-        """Whether this call takes the split (always on CPU); moves its layout to the device when it does."""
-        key = (query.device, query.dtype, query.shape[-1])
+        return self.takes_split(query.device, query.dtype, query.shape[-1])
+
+    def takes_split(self, device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
+        """Whether the varlen kernel splits (always on CPU); moves the split's layout to the device when it does."""
+        key = (device, dtype, head_dim)
         if key not in self._takes_split:
             if self._split_host is None:
                 self._split_host = SplitLayout.of(self._forest)
-            taken = not query.is_cuda or _split_pays(self._split_host.ancestors, query)
+            min_pairs = SPLIT_MIN_PAIRS_GRAPHED if self._graphed else SPLIT_MIN_PAIRS
+            taken = device.type != "cuda" or _split_pays(self._split_host.ancestors, device, dtype, head_dim, min_pairs)
             if taken and self._split is None:
-                self._split = self._split_host.to(query.device)
+                self._split = self._split_host.to(device)
             self._takes_split[key] = taken
         return self._takes_split[key]
+
+    def graph_inputs(self, dtype: torch.dtype, head_dim: int) -> tuple[tuple, tuple[torch.Tensor, ...]] | None:
+        """What CUDA graphs of the layers need (``LayerGraphs.run``'s key and tensors), or None if they cannot run.
+
+        The key holds every host-side value the kernels are launched with: lengths, maxima,
+        and the cuDNN split's per-sequence bounds; the tensors are the layout's indices.
+        """
+        device = self.token_ids.device
+        if self.kernel != "varlen" or device.type != "cuda":
+            return None
+        if self._takes_split:
+            raise RuntimeError("graph_inputs must come before the forward: it decides the layout")
+        self._graphed = True
+        if self.takes_split(device, dtype, head_dim):
+            own = self._split.own
+            # The spans' bounds are the slices cuDNN is called on.
+            key = ("split", len(self.token_ids), len(own.cu_q), own.max_q, own.max_k, self._split.ancestors)
+            return key, (own.cu_q, own.cu_k)
+        layout = self.varlen_layout()
+        key = ("varlen", len(self.token_ids), len(layout.key_index), len(layout.cu_seq_q), layout.max_q, layout.max_k)
+        return key, (layout.key_index, layout.cu_seq_q, layout.cu_seq_k)
+
+    def varlen_layout(self) -> VarlenLayout:
+        if self._varlen is None:
+            self._varlen = VarlenLayout.of(self._forest).to(self.token_ids.device)
+        return self._varlen
 
     def _varlen_attention(self, query, key, value, scaling, window):
         if not query.is_cuda:
             raise ValueError("the varlen kernel with a binding sliding window needs CUDA (FlashAttention)")
-        if self._varlen is None:
-            self._varlen = VarlenLayout.of(self._forest).to(query.device)
-        layout = self._varlen
+        layout = self.varlen_layout()
         q = query[0].transpose(0, 1).contiguous()
         k = key[0].transpose(0, 1).index_select(0, layout.key_index)
         v = value[0].transpose(0, 1).index_select(0, layout.key_index)
@@ -217,15 +249,15 @@ class ForestAttention:
         return out[None]
 
 
-def _split_pays(ancestors, query: torch.Tensor) -> bool:
+def _split_pays(ancestors, device: torch.device, dtype: torch.dtype, head_dim: int, min_pairs: int) -> bool:
     """Split onto cuDNN when its ancestor passes are few and large (H200: G=16, P=8K, R=1K gains 8%).
 
     Small ones (G=8, P=2K) lose: the split's host time then exceeds the GPU time it saves.
     """
-    if not ancestors or any(len(p.bounds) > CudnnOps.MAX_SEQUENCES for p in ancestors):
+    if not ancestors or any(len(spans) > CudnnOps.MAX_SEQUENCES for spans in ancestors):
         return False
-    largest = max((q1 - q0) * (k1 - k0) for p in ancestors for q0, q1, k0, k1 in p.bounds)
-    return largest >= SPLIT_MIN_PAIRS and CudnnOps.available(query.device, query.dtype, query.shape[-1])
+    largest = max((q1 - q0) * (k1 - k0) for spans in ancestors for q0, q1, k0, k1 in spans)
+    return largest >= min_pairs and CudnnOps.available(device, dtype, head_dim)
 
 
 def _pad_for_kernel(forest: PrefixForest, kernel: Kernel) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

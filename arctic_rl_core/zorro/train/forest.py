@@ -136,6 +136,15 @@ def _validate_values(ids: np.ndarray, mask: np.ndarray, chosen: np.ndarray) -> N
         raise ValueError(f"select marks padding at row {b}, position {t}; it must be a subset of attention_mask")
 
 
+def _host_arrays(input_ids, attention_mask, select) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The batch on the host as int64 ids, mask and bool selection: one transfer (one wait) from a device."""
+    if input_ids.device.type == "cpu":
+        return input_ids.to(torch.int64).numpy(), attention_mask.numpy(), select.numpy()
+    stacked = torch.stack([input_ids.to(torch.int64), attention_mask.to(torch.int64), select.to(torch.int64)])
+    ids, mask, chosen = stacked.cpu().numpy()
+    return ids, mask, chosen.astype(bool)
+
+
 def build_prefix_forest(input_ids: torch.Tensor, attention_mask: torch.Tensor, select: torch.Tensor) -> PrefixForest:
     """Build the prefix forest of a [B, T] batch whose hidden states are wanted where ``select`` is True.
 
@@ -143,9 +152,7 @@ def build_prefix_forest(input_ids: torch.Tensor, attention_mask: torch.Tensor, s
     must lie inside it. Runs on the CPU in O(B log B + B * T).
     """
     _validate(input_ids, attention_mask, select)
-    ids = input_ids.detach().to("cpu", torch.int64).numpy()
-    mask = attention_mask.detach().to("cpu").numpy()
-    chosen = select.detach().to("cpu").numpy()
+    ids, mask, chosen = _host_arrays(input_ids, attention_mask, select)
     _validate_values(ids, mask, chosen)
     real = mask.astype(bool)
 

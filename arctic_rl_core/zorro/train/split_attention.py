@@ -9,20 +9,22 @@ descendant:
 - one ``ancestor`` pass per tree level: the descendants of each node at that
   level, all at once, attend to the node's own tokens without a mask. For a
   GRPO batch this is one call: all G responses' queries over the prompt's keys.
+  A node's descendants and its own tokens are both contiguous in the packed
+  order, so each such ``Span`` runs on slices of q, k and v: nothing is gathered.
 Within one pass every query appears at most once, so the passes merge exactly:
-``out = sum_i exp(lse_i - lse) * out_i`` with ``lse = logaddexp_i(lse_i)``.
+``out = sum_i exp(lse_i - lse) * out_i`` with ``lse = logaddexp_i(lse_i)``, in
+place, one span at a time (one fused kernel on CUDA).
 
 Backward runs each pass's own FlashAttention backward, handing it the merged
 output and log-sum-exp: with those, its ``P = exp(S - lse)`` and
 ``D = rowsum(dO * O)`` are the whole attention's, so each pass returns the exact
 gradient of its share of the keys (the identity ring attention relies on).
 
-``FlashVarlenOps`` calls ATen's FlashAttention varlen kernels (CUDA, fp16/bf16);
-``CudnnOps`` runs a pass of few long sequences through cuDNN's attention, one
-call per sequence (on an H200, 1.5x FlashAttention-2's forward and 1.8x its
-backward on a 16384 x 8192 GRPO ancestor pass); ``ReferenceOps`` computes the
-same two functions in plain torch, so the split, merge and backward are tested
-on CPU in fp32 against dense attention.
+``FlashVarlenOps`` calls ATen's FlashAttention varlen kernels for the own pass
+(CUDA, fp16/bf16); ``CudnnOps`` runs each span through cuDNN's attention (on an
+H200, 1.5x FlashAttention-2's forward and 1.8x its backward on a 16384 x 8192
+GRPO span); ``ReferenceOps`` computes both in plain torch, so the split, merge
+and backward are tested on CPU in fp32 against dense attention.
 """
 
 from __future__ import annotations
@@ -72,41 +74,55 @@ class Pass:
         return Pass(*tensors, self.max_q, self.max_k, self.causal, self.bounds)
 
 
+# Descendants [q0, q1) of one node attending to its own tokens [k0, k1), in packed positions.
+Span = tuple[int, int, int, int]
+
+
 @dataclass(frozen=True)
 class SplitLayout:
-    """The forest's passes: every node's own causal sequence, then one ancestor pass per tree level."""
+    """The forest's passes: every node's own causal sequence, then one ancestor pass (its spans) per tree level."""
 
     own: Pass
-    ancestors: tuple[Pass, ...]
+    ancestors: tuple[tuple[Span, ...], ...]
 
     @classmethod
     def of(cls, forest: PrefixForest) -> SplitLayout:
         own = [np.arange(n.offset, n.offset + n.length) for n in forest.nodes]
         levels: list[int] = []
-        by_level: dict[int, tuple[list, list]] = {}
+        by_level: dict[int, list[Span]] = {}
         for node in forest.nodes:  # preorder: a parent's level is known before its children's
             level = 0 if node.parent < 0 else levels[node.parent] + 1
             levels.append(level)
             end_of_own = node.offset + node.length
             if node.subtree_end > end_of_own:  # has descendants: they all read this node's tokens in full
-                queries, keys = by_level.setdefault(level, ([], []))
-                queries.append(np.arange(end_of_own, node.subtree_end))
-                keys.append(np.arange(node.offset, end_of_own))
-        ancestors = tuple(Pass.of(*by_level[level], causal=False) for level in sorted(by_level))
+                by_level.setdefault(level, []).append((end_of_own, node.subtree_end, node.offset, end_of_own))
+        ancestors = tuple(tuple(by_level[level]) for level in sorted(by_level))
         return cls(Pass.of(own, own, causal=True), ancestors)
 
     def to(self, device: torch.device) -> SplitLayout:
-        return SplitLayout(self.own.to(device), tuple(p.to(device) for p in self.ancestors))
+        return SplitLayout(self.own.to(device), self.ancestors)
 
 
 class AttentionOps(Protocol):
-    """Varlen attention with its log-sum-exp, and a backward that takes the output and lse to use."""
+    """Varlen attention with its log-sum-exp, and a backward that takes the output and lse to use (the own pass)."""
 
     def forward(self, q, k, v, p: Pass, scale: float) -> tuple[torch.Tensor, torch.Tensor, Any]:
         """[total_q, H, D] output, [H, total_q] float32 lse, and whatever ``backward`` needs of this call."""
         ...
 
     def backward(self, dout, q, k, v, out, lse, p: Pass, scale: float, state: Any) -> tuple[torch.Tensor, ...]: ...
+
+
+class SpanOps(Protocol):
+    """Unmasked attention of one span's queries over its keys (slices [n, H, D] and [m, H_kv, D])."""
+
+    def span_forward(self, q, k, v, scale: float) -> tuple[torch.Tensor, torch.Tensor, Any]:
+        """[n, H, D] output (any strides, last one 1), [H, n] float32 lse, and what ``span_backward`` needs."""
+        ...
+
+    def span_backward(self, dout, q, k, v, out, lse, scale: float, state: Any) -> tuple[torch.Tensor, ...]:
+        """dq [n, H, D], dk and dv [m, H_kv, D] of the span, given the merged output and lse of its queries."""
+        ...
 
 
 class FlashVarlenOps:
@@ -129,9 +145,9 @@ class FlashVarlenOps:
 
 
 class CudnnOps:
-    """cuDNN's fused attention, one call per sequence of the pass (no varlen); K/V heads expanded for GQA."""
+    """cuDNN's fused attention, one call per span (no varlen); K/V heads expanded for GQA."""
 
-    # One call per sequence pays off for a few long sequences (GRPO groups), not for many short ones.
+    # One call per span pays off for a few long spans (GRPO groups), not for many short ones.
     MAX_SEQUENCES = 16
 
     @staticmethod
@@ -145,45 +161,32 @@ class CudnnOps:
             and torch.cuda.get_device_capability(device) >= (9, 0)
         )
 
-    def forward(self, q, k, v, p: Pass, scale: float):
-        outs, lses, states = [], [], []
-        for q0, q1, k0, k1 in p.bounds:
-            qs, ks, vs = (
-                _bhsd(q[q0:q1]),
-                _bhsd(_repeat_heads(k[k0:k1], q.shape[1])),
-                _bhsd(_repeat_heads(v[k0:k1], q.shape[1])),
-            )
-            out, lse, _, _, max_q, max_k, seed, offset, _ = torch.ops.aten._scaled_dot_product_cudnn_attention(
-                qs, ks, vs, None, True, 0.0, p.causal, False, scale=scale
-            )
-            outs.append(out[0].transpose(0, 1))
-            lses.append(lse[0, :, :, 0])
-            states.append((max_q, max_k, seed, offset))
-        return _cat(outs, 0), _cat(lses, 1), states
+    def span_forward(self, q, k, v, scale: float):
+        heads = q.shape[1]
+        out, lse, _, _, max_q, max_k, seed, offset, _ = torch.ops.aten._scaled_dot_product_cudnn_attention(
+            _bhsd(q), _bhsd(_repeat_heads(k, heads)), _bhsd(_repeat_heads(v, heads)), None, True, 0.0, False, False,
+            scale=scale,
+        )  # fmt: skip
+        return out[0].transpose(0, 1), lse[0, :, :, 0], (max_q, max_k, seed, offset)
 
-    def backward(self, dout, q, k, v, out, lse, p: Pass, scale: float, state):
+    def span_backward(self, dout, q, k, v, out, lse, scale: float, state):
+        max_q, max_k, seed, offset = state
         heads, kv_heads = q.shape[1], k.shape[1]
-        dqs, dks, dvs = [], [], []
-        for (q0, q1, k0, k1), (max_q, max_k, seed, offset) in zip(p.bounds, state):
-            dq, dk, dv = torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
-                _bhsd(dout[q0:q1].contiguous()), _bhsd(q[q0:q1]),
-                _bhsd(_repeat_heads(k[k0:k1], heads)), _bhsd(_repeat_heads(v[k0:k1], heads)),
-                _bhsd(out[q0:q1].contiguous()), lse[:, q0:q1].contiguous()[None, :, :, None],
-                seed, offset, None, None, None, max_q, max_k, 0.0, p.causal, scale=scale,
-            )  # fmt: skip
-            dqs.append(dq[0].transpose(0, 1))
-            dks.append(dk[0].transpose(0, 1).unflatten(1, (kv_heads, -1)).sum(2))
-            dvs.append(dv[0].transpose(0, 1).unflatten(1, (kv_heads, -1)).sum(2))
-        return _cat(dqs, 0), _cat(dks, 0), _cat(dvs, 0)
+        dq, dk, dv = torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
+            _bhsd(dout), _bhsd(q), _bhsd(_repeat_heads(k, heads)), _bhsd(_repeat_heads(v, heads)),
+            _bhsd(out), lse.contiguous()[None, :, :, None], seed, offset, None, None, None, max_q, max_k,
+            0.0, False, scale=scale,
+        )  # fmt: skip
+        return (
+            dq[0].transpose(0, 1),
+            dk[0].transpose(0, 1).unflatten(1, (kv_heads, -1)).sum(2),
+            dv[0].transpose(0, 1).unflatten(1, (kv_heads, -1)).sum(2),
+        )
 
 
 def _bhsd(x: torch.Tensor) -> torch.Tensor:
     """[S, H, D] -> [1, H, S, D] without a copy (cuDNN takes the strides as they are)."""
     return x.transpose(0, 1)[None]
-
-
-def _cat(parts: list[torch.Tensor], dim: int) -> torch.Tensor:
-    return parts[0].contiguous() if len(parts) == 1 else torch.cat(parts, dim)
 
 
 class ReferenceOps:
@@ -215,6 +218,13 @@ class ReferenceOps:
             dv[ks] = dv_full.unflatten(1, (kv_heads, -1)).sum(2)
         return dq, dk, dv
 
+    def span_forward(self, q, k, v, scale: float):
+        n, m = len(q), len(k)
+        return self.forward(q, k, v, _one_sequence(n, m), scale)
+
+    def span_backward(self, dout, q, k, v, out, lse, scale: float, state):
+        return self.backward(dout, q, k, v, out, lse, _one_sequence(len(q), len(k)), scale, state)
+
     @staticmethod
     def _scores(q, k, scale: float, causal: bool) -> torch.Tensor:
         scores = torch.einsum("qhd,khd->hqk", q, _repeat_heads(k, q.shape[1])) * scale
@@ -223,6 +233,12 @@ class ReferenceOps:
             visible = torch.arange(lk)[None, :] <= torch.arange(lq)[:, None] + (lk - lq)
             scores = scores.masked_fill(~visible.to(scores.device), float("-inf"))
         return scores
+
+
+def _one_sequence(n: int, m: int) -> Pass:
+    """A host-side pass of one unmasked sequence: n queries over m keys (for ``ReferenceOps``'s spans)."""
+    empty = torch.empty(0, dtype=torch.int64)
+    return Pass(empty, empty, empty, empty, n, m, causal=False, bounds=((0, n, 0, m),))
 
 
 def _repeat_heads(x: torch.Tensor, heads: int) -> torch.Tensor:
@@ -244,48 +260,50 @@ def _weight(lse_part: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
     return torch.exp(lse_part - lse).transpose(0, 1)[..., None]
 
 
+def merge_(out: torch.Tensor, lse: torch.Tensor, part: torch.Tensor, part_lse: torch.Tensor) -> None:
+    """Fold a span's ``part`` output [n, H, D] and ``part_lse`` [H, n] into ``out`` and ``lse``, in place."""
+    if out.is_cuda:
+        from arctic_rl_core.zorro.train.triton_merge import merge_attention_
+
+        merge_attention_(out, lse, part, part_lse)
+        return
+    math = _math_dtype(out)
+    merged = torch.logaddexp(lse, part_lse)
+    out.copy_(out.to(math) * _weight(lse, merged) + part.to(math) * _weight(part_lse, merged))
+    lse.copy_(merged)
+
+
 class _SplitForestAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, layout: SplitLayout, scale: float, ops: AttentionOps, ancestor_ops: AttentionOps):
+    def forward(ctx, q, k, v, layout: SplitLayout, scale: float, ops: AttentionOps, span_ops: SpanOps):
         out, lse, own_state = ops.forward(q, k, v, layout.own, scale)
         states = []
-        if layout.ancestors:
-            math = _math_dtype(q)
-            merged = out.to(math)
-            # lse is this call's own fresh output: merged in place
-            for p in layout.ancestors:
-                part, part_lse, state = ancestor_ops.forward(q[p.q_index], k[p.k_index], v[p.k_index], p, scale)
+        for spans in layout.ancestors:  # out and lse are this call's own fresh outputs: merged in place
+            for q0, q1, k0, k1 in spans:
+                part, part_lse, state = span_ops.span_forward(q[q0:q1], k[k0:k1], v[k0:k1], scale)
+                merge_(out[q0:q1], lse[:, q0:q1], part, part_lse)
                 states.append(state)
-                before = lse[:, p.q_index]
-                after = torch.logaddexp(before, part_lse)
-                merged[p.q_index] = merged[p.q_index] * _weight(before, after) + part.to(math) * _weight(
-                    part_lse, after
-                )
-                lse[:, p.q_index] = after
-            out = merged.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.layout, ctx.scale, ctx.ops, ctx.ancestor_ops = layout, scale, ops, ancestor_ops
+        ctx.layout, ctx.scale, ctx.ops, ctx.span_ops = layout, scale, ops, span_ops
         ctx.states = (own_state, *states)
         return out
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
-        layout, scale, ops = ctx.layout, ctx.scale, ctx.ops
+        layout, scale = ctx.layout, ctx.scale
         own_state, *states = ctx.states
-        dq, dk, dv = ops.backward(dout, q, k, v, out, lse, layout.own, scale, own_state)
-        if layout.ancestors:
-            math = _math_dtype(q)
-            dq, dk, dv = dq.to(math), dk.to(math), dv.to(math)
-            for p, state in zip(layout.ancestors, states):
-                qi, ki = p.q_index, p.k_index
-                part = ctx.ancestor_ops.backward(
-                    dout[qi], q[qi], k[ki], v[ki], out[qi], lse[:, qi].contiguous(), p, scale, state
-                )
-                dq.index_add_(0, qi, part[0].to(math))
-                dk.index_add_(0, ki, part[1].to(math))
-                dv.index_add_(0, ki, part[2].to(math))
-            dq, dk, dv = dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+        dout = dout.contiguous()
+        dq, dk, dv = ctx.ops.backward(dout, q, k, v, out, lse, layout.own, scale, own_state)
+        spans = (span for level in layout.ancestors for span in level)
+        for (q0, q1, k0, k1), state in zip(spans, states):
+            part = ctx.span_ops.span_backward(
+                dout[q0:q1], q[q0:q1], k[k0:k1], v[k0:k1], out[q0:q1], lse[:, q0:q1], scale, state
+            )
+            # A key is in one span per level, a query in one per ancestor level: few adds each.
+            dq[q0:q1] += part[0]
+            dk[k0:k1] += part[1]
+            dv[k0:k1] += part[2]
         return dq, dk, dv, None, None, None, None
 
 
@@ -296,11 +314,11 @@ def split_forest_attention(
     layout: SplitLayout,
     scale: float | None,
     ops: AttentionOps,
-    ancestor_ops: AttentionOps | None = None,
+    span_ops: SpanOps,
 ) -> torch.Tensor:
     """Packed [L, H, D] queries, [L, H_kv, D] keys/values -> [L, H, D]: each token over its forest ancestry.
 
-    ``ops`` runs the own pass, ``ancestor_ops`` (default: ``ops``) the ancestor passes.
+    ``ops`` runs the own pass, ``span_ops`` each ancestor span.
     """
     scale = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
-    return _SplitForestAttention.apply(q, k, v, layout, scale, ops, ancestor_ops or ops)
+    return _SplitForestAttention.apply(q, k, v, layout, scale, ops, span_ops)
