@@ -11,6 +11,7 @@ from arctic_rl_core.models.tiny import TinySpec, build_tiny_model
 from arctic_rl_core.zorro.train import attention as zorro_attention
 from arctic_rl_core.zorro.train import build_prefix_forest
 from arctic_rl_core.zorro.train import selected_hidden_states as zorro_selected_hidden_states
+from tests.prompt_rows import right_padded
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -34,15 +35,7 @@ def grpo_rows(order=(0, 1, 2, 3, 4, 5), seed=0, first_tokens=(5, 900)):
         for response_length in (40, 90, 65):
             rows.append((prompt, torch.randint(3, 1000, (response_length,), generator=gen).tolist()))
     rows = [rows[i] for i in order]
-    width = max(len(p) + len(r) for p, r in rows)
-    input_ids = torch.zeros(len(rows), width, dtype=torch.long)
-    attention_mask = torch.zeros_like(input_ids)
-    select = torch.zeros_like(input_ids, dtype=torch.bool)
-    for b, (prompt, response) in enumerate(rows):
-        input_ids[b, : len(prompt) + len(response)] = torch.tensor(prompt + response)
-        attention_mask[b, : len(prompt) + len(response)] = 1
-        select[b, len(prompt) - 1 : len(prompt) + len(response) - 1] = True
-    return input_ids.cuda(), attention_mask.cuda(), select.cuda()
+    return tuple(t.cuda() for t in right_padded(rows))
 
 
 def loss_of(model, forward, batch, graphs):

@@ -9,6 +9,7 @@ from arctic_rl_core.models.forward import selected_hidden_states as plain_select
 from arctic_rl_core.models.tiny import TinySpec, build_tiny_model
 from arctic_rl_core.zorro.train import ForestAttention, build_prefix_forest, selected_hidden_states
 from arctic_rl_core.zorro.train import attention as zorro_attention
+from tests.prompt_rows import right_padded
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -22,15 +23,7 @@ def forest_batch(device):
         prompt = system + torch.randint(3, 1000, (question_length,), generator=gen).tolist()
         for response_length in (60, 150, 101):
             rows.append((prompt, torch.randint(3, 1000, (response_length,), generator=gen).tolist()))
-    width = max(len(p) + len(r) for p, r in rows)
-    input_ids = torch.zeros(len(rows), width, dtype=torch.long)
-    attention_mask = torch.zeros_like(input_ids)
-    select = torch.zeros_like(input_ids, dtype=torch.bool)
-    for b, (prompt, response) in enumerate(rows):
-        input_ids[b, : len(prompt) + len(response)] = torch.tensor(prompt + response)
-        attention_mask[b, : len(prompt) + len(response)] = 1
-        select[b, len(prompt) - 1 : len(prompt) + len(response) - 1] = True
-    return input_ids.to(device), attention_mask.to(device), select.to(device)
+    return tuple(t.to(device) for t in right_padded(rows))
 
 
 def rows_and_grads(model, forward, input_ids, attention_mask, select):

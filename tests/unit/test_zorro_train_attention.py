@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from arctic_rl_core.zorro.train import ForestAttention, VarlenLayout, build_prefix_forest
 from arctic_rl_core.zorro.train.attention import FLEX_BLOCK
 from arctic_rl_core.zorro.train.split_attention import SplitLayout
+from tests.prompt_rows import right_padded
 
 CPU = torch.device("cpu")
 
@@ -97,15 +98,7 @@ def nested_forest():
         prompt = system + torch.randint(3, 1000, (question,), generator=gen).tolist()
         rows += [(prompt, torch.randint(3, 1000, (n,), generator=gen).tolist()) for n in (4, 7, 6)]
     rows.append((system[:8], system[8:] + [1]))
-    width = max(len(p) + len(r) for p, r in rows)
-    input_ids = torch.zeros(len(rows), width, dtype=torch.long)
-    attention_mask = torch.zeros_like(input_ids)
-    select = torch.zeros_like(input_ids, dtype=torch.bool)
-    for b, (prompt, response) in enumerate(rows):
-        input_ids[b, : len(prompt) + len(response)] = torch.tensor(prompt + response)
-        attention_mask[b, : len(prompt) + len(response)] = 1
-        select[b, len(prompt) - 1 : len(prompt) + len(response) - 1] = True
-    return build_prefix_forest(input_ids, attention_mask, select)
+    return build_prefix_forest(*right_padded(rows))
 
 
 @pytest.mark.parametrize("window", [None, 7])
