@@ -57,6 +57,7 @@ def token_outputs(
     """
     metrics: dict[str, tuple[float, float]] = {}
     labels = torch.roll(input_ids, shifts=-1, dims=1)[select]  # before the forward: it waits for the GPU
+    cuda_graphs = cuda_graphs and torch.is_grad_enabled()  # graphs hold a backward: no-grad calls run eagerly
     replays = replay_count(decoder_body(model)) if cuda_graphs else 0
     if zorro is not None and zorro.enable:
         from arctic_rl_core.zorro.train import build_prefix_forest

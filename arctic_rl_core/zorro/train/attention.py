@@ -252,7 +252,8 @@ class ForestAttention:
 def _split_pays(ancestors, device: torch.device, dtype: torch.dtype, head_dim: int, min_pairs: int) -> bool:
     """Split onto cuDNN when its ancestor passes are few and large (H200: G=16, P=8K, R=1K gains 8%).
 
-    Small ones (G=8, P=2K) lose: the split's host time then exceeds the GPU time it saves.
+    Eager, small ones (G=8, P=2K) lose: the split's host time then exceeds the GPU time it
+    saves. Replayed as CUDA graphs there is no host time, and they win (``min_pairs``).
     """
     if not ancestors or any(len(spans) > CudnnOps.MAX_SEQUENCES for spans in ancestors):
         return False
