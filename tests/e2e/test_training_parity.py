@@ -99,11 +99,12 @@ def test_fwd_bwd_grpo_gradients_equal_a_plain_torch_reimplementation(client, tin
 def test_grpo_through_the_client_with_zorro_on_equals_off(client):
     batch = grpo_batch(prompt_len=40)
 
-    async def one_step(zorro: bool) -> tuple[dict, torch.Tensor]:
+    async def one_step(zorro: bool, cuda_graphs: bool = False) -> tuple[dict, torch.Tensor]:
         config = {
             **SGD,
             "optimizer": {"name": "sgd", "lr": 0.5, "gradient_clipping": 0.0},
             "zorro_train": {"enable": zorro},
+            "cuda_graphs": cuda_graphs,
         }
         other = create_arctic_rl_client(remote_config(client, training_gpus=1, training_config=config))
         try:
@@ -119,6 +120,10 @@ def test_grpo_through_the_client_with_zorro_on_equals_off(client):
     assert on["metrics"]["zorro_train/dedup_ratio"] > 1.5
     # The updated weights agree: their log-probs on the batch match to fp32 precision.
     assert (lp_on - lp_off).abs().max() < 1e-5 * lp_off.abs().max()
+    # cuda_graphs reaches the engine, which says that nothing replayed here (no CUDA) and runs eagerly.
+    graphed, lp_graphed = run(one_step(True, cuda_graphs=True))
+    assert graphed["metrics"]["cuda_graphs/replayed"] == 0.0 and "cuda_graphs/replayed" not in on["metrics"]
+    assert graphed["loss"] == on["loss"] and torch.equal(lp_graphed, lp_on)
 
 
 @on_the_http_server
