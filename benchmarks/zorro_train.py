@@ -320,8 +320,11 @@ def run_case(
         step(model, zorro, batch)
         diff = rel_diff(flat_grads(model), plain_grads)
         used = kernel if kernel != "auto" else zorro_train.default_kernel(device, model.dtype)
+        graphed = graphs and not checkpointing
+        if used == "varlen" and split_taken(model, batch, graphed):
+            used += ", cuDNN split" if device.type == "cuda" else ", split in torch"
         label = f"zorro, prefix forest ({used}), checkpointing {on_off(checkpointing)}"
-        if graphs and not checkpointing:
+        if graphed:
             label += ", CUDA graphs"
         print(f"   {label:<58}: {zorro_s * 1e3:8.1f} ms  {memory(zorro_mem)}")
         targets = i == 0
@@ -342,6 +345,17 @@ def run_case(
         if profile:
             print_profile(model, "zorro", zorro, batch, top)
     model.zero_grad(set_to_none=True)
+
+
+def split_taken(model, batch, graphed: bool) -> bool:
+    """Whether ZoRRo's varlen kernel splits this batch's forest onto cuDNN (the rule depends on graphs)."""
+    config = model.config
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    attention = zorro_attention.ForestAttention(zorro_train.build_prefix_forest(*batch[:3]), "varlen", batch[0].device)
+    if graphed:
+        key, _ = attention.graph_inputs(model.dtype, head_dim)
+        return key[0] == "split"
+    return attention.takes_split(batch[0].device, model.dtype, head_dim)
 
 
 def memory(gb: float | None) -> str:
