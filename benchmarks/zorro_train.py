@@ -36,7 +36,7 @@ import torch
 from transformers import AutoModelForCausalLM, Qwen2Config
 
 from arctic_rl_core.engines.token_outputs import selected_logprobs
-from arctic_rl_core.models.forward import decoder_body, lm_head
+from arctic_rl_core.models.forward import decoder_body, head_dim, lm_head
 from arctic_rl_core.models.forward import selected_hidden_states as plain_selected_hidden_states
 from arctic_rl_core.models.layer_graphs import release_layer_graphs
 from arctic_rl_core.zorro import train as zorro_train
@@ -349,13 +349,12 @@ def run_case(
 
 def split_taken(model, batch, graphed: bool) -> bool:
     """Whether ZoRRo's varlen kernel splits this batch's forest onto cuDNN (the rule depends on graphs)."""
-    config = model.config
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    size = head_dim(model.config)
     attention = zorro_attention.ForestAttention(zorro_train.build_prefix_forest(*batch[:3]), "varlen", batch[0].device)
     if graphed:
-        key, _ = attention.graph_inputs(model.dtype, head_dim)
+        key, _ = attention.graph_inputs(model.dtype, size)
         return key[0] == "split"
-    return attention.takes_split(batch[0].device, model.dtype, head_dim)
+    return attention.takes_split(batch[0].device, model.dtype, size)
 
 
 def memory(gb: float | None) -> str:

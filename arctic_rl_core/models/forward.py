@@ -31,6 +31,11 @@ def decoder_body(model: nn.Module) -> nn.Module:
     return body
 
 
+def head_dim(config) -> int:
+    """The attention head size of an HF config: ``head_dim`` where it is set (Qwen3), else hidden / heads."""
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
 def lm_head(model: nn.Module) -> nn.Module:
     head = model.get_output_embeddings()
     if head is None:

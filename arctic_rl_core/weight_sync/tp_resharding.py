@@ -25,6 +25,8 @@ from typing import Any, Sequence
 
 import torch
 
+from arctic_rl_core.models.forward import head_dim as config_head_dim
+
 
 @dataclass(frozen=True)
 class AttentionHeads:
@@ -37,8 +39,7 @@ class AttentionHeads:
     @classmethod
     def from_hf_config(cls, config: Any) -> "AttentionHeads":
         num_heads = config.num_attention_heads
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
-        return cls(num_heads, getattr(config, "num_key_value_heads", None) or num_heads, head_dim)
+        return cls(num_heads, getattr(config, "num_key_value_heads", None) or num_heads, config_head_dim(config))
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 from torch.profiler import record_function
 
-from arctic_rl_core.models.forward import decoder_body
+from arctic_rl_core.models.forward import decoder_body, head_dim
 from arctic_rl_core.models.forward import selected_hidden_states as plain_selected_hidden_states
 from arctic_rl_core.models.layer_graphs import layer_graphs
 from arctic_rl_core.zorro.train.attention import (
@@ -100,9 +100,7 @@ def packed_selected_hidden_states(
 def _graphed_layers(body: nn.Module, attention: ForestAttention) -> contextlib.AbstractContextManager:
     """The layers' graphs for this forest's layout, or a no-op where they cannot run."""
     graphs = layer_graphs(body)
-    config = body.config
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    inputs = attention.graph_inputs(body.dtype, head_dim) if graphs is not None else None
+    inputs = attention.graph_inputs(body.dtype, head_dim(body.config)) if graphs is not None else None
     if inputs is None:
         return contextlib.nullcontext()
     key, tensors = inputs

@@ -16,6 +16,7 @@ from torch import nn
 
 from arctic_rl_core.engines.sampling.native import ops
 from arctic_rl_core.engines.sampling.native.attention import AttentionMetadata, attend
+from arctic_rl_core.models.forward import head_dim as config_head_dim
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 # RoPE variants whose frequencies do not depend on the sequence length, so one table serves every step.
@@ -53,7 +54,7 @@ class ModelSpec:
         if getattr(config, "mlp_bias", False):
             raise ValueError("mlp_bias=True is not supported by the native engine")
         num_heads = config.num_attention_heads
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
+        head_size = config_head_dim(config)
         attention_bias = bool(getattr(config, "attention_bias", False))
         window = getattr(config, "sliding_window", None)
         if model_type == "qwen2" and not getattr(config, "use_sliding_window", False):
@@ -66,7 +67,7 @@ class ModelSpec:
             num_layers=config.num_hidden_layers,
             num_heads=num_heads,
             num_kv_heads=getattr(config, "num_key_value_heads", None) or num_heads,
-            head_dim=head_dim,
+            head_dim=head_size,
             rms_norm_eps=config.rms_norm_eps,
             tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
             qkv_bias=True if model_type == "qwen2" else attention_bias,
