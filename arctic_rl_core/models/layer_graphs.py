@@ -77,6 +77,15 @@ class _LayerGraph:
     grads: tuple[torch.Tensor | None, ...] = ()  # for inputs[0], then each parameter
     generation: int = 0  # forward replays so far: a backward must belong to the latest
 
+    def gradients(self, grad_output: torch.Tensor, retain_graph: bool) -> tuple[torch.Tensor | None, ...]:
+        """Through the captured forward's autograd graph: d hidden states, then d each parameter (None if unused)."""
+        trainable = [p for p in self.params if p.requires_grad]
+        grads = torch.autograd.grad(
+            self.output, [self.inputs[0], *trainable], grad_output, retain_graph=retain_graph, allow_unused=True
+        )
+        by_param = dict(zip(map(id, trainable), grads[1:]))
+        return grads[0], *(by_param.get(id(p)) for p in self.params)
+
 
 @dataclass(eq=False)
 class _Entry:
@@ -181,7 +190,7 @@ class LayerGraphs:
             )
         pending = _Pending()
         self._pending.add(pending)
-        return _Replay.apply(self, entry, graph, pending, *(leaves[i] for i in at), *graph.params)
+        return _Replay.apply(self, graph, pending, *(leaves[i] for i in at), *graph.params)
 
     def _capture_forward(self, entry, layer, forward, leaves, spec, at) -> _LayerGraph:
         static = [leaves[i].detach().clone() for i in at]
@@ -213,14 +222,9 @@ class LayerGraphs:
 
     def _capture_backward(self, entry: _Entry, graph: _LayerGraph) -> None:
         graph.grad_output = torch.empty_like(graph.output)
-        trainable = [p for p in graph.params if p.requires_grad]
         backward = torch.cuda.CUDAGraph()
         with self._capturing(backward, entry.pool):
-            grads = torch.autograd.grad(
-                graph.output, [graph.inputs[0], *trainable], graph.grad_output, allow_unused=True
-            )
-        by_param = dict(zip(map(id, trainable), grads[1:]))
-        graph.grads = (grads[0], *(by_param.get(id(p)) for p in graph.params))
+            graph.grads = graph.gradients(graph.grad_output, retain_graph=False)
         graph.backward = backward
         # The same buffer, without the captured autograd graph. That graph holds the parameters'
         # gradient accumulators made on the capture stream; once it is gone, the next forward makes
@@ -269,11 +273,11 @@ def _refill(statics: Sequence[torch.Tensor], tensors: Sequence[torch.Tensor]) ->
 
 class _Replay(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, graphs: LayerGraphs, entry: _Entry, graph: _LayerGraph, pending: _Pending, *inputs):
+    def forward(ctx, graphs: LayerGraphs, graph: _LayerGraph, pending: _Pending, *inputs):
         _refill(graph.inputs, inputs)
         graph.forward.replay()
         graph.generation += 1
-        ctx.graphs, ctx.entry, ctx.graph, ctx.pending = graphs, entry, graph, pending
+        ctx.graphs, ctx.graph, ctx.pending = graphs, graph, pending
         ctx.generation = graph.generation
         ctx.inputs = len(inputs) - len(graph.params)
         return graph.output.clone()
@@ -291,22 +295,17 @@ class _Replay(torch.autograd.Function):
         if graph.backward is None:
             # Just captured: this backward runs eagerly through the captured forward's autograd
             # graph, kept so that the next pass captures the backward outside any backward.
-            trainable = [p for p in graph.params if p.requires_grad]
             side = ctx.graphs._stream  # where that graph's nodes run: after this step's forward replays
             side.wait_stream(torch.cuda.current_stream())
-            grads = torch.autograd.grad(
-                graph.output, [graph.inputs[0], *trainable], grad_output, retain_graph=True, allow_unused=True
-            )
+            hidden, *params = graph.gradients(grad_output, retain_graph=True)
             torch.cuda.current_stream().wait_stream(side)
-            by_param = dict(zip(map(id, trainable), grads[1:]))
-            hidden, params = grads[0], [by_param.get(id(p)) for p in graph.params]
         else:
             graph.grad_output.copy_(grad_output)  # no autograd history: a plain buffer
             graph.backward.replay()
             # Copies: a later replay rewrites the static buffers while autograd may still hold these.
             hidden, *params = (g.clone() if g is not None else None for g in graph.grads)
         ctx.pending.done = True
-        return None, None, None, None, hidden, *([None] * (ctx.inputs - 1)), *params
+        return None, None, None, hidden, *([None] * (ctx.inputs - 1)), *params
 
 
 _BY_BODY: weakref.WeakKeyDictionary[nn.Module, LayerGraphs] = weakref.WeakKeyDictionary()
