@@ -224,9 +224,11 @@ def gpu_idle(model, forward, batch, min_gap_us: float = 50.0):
     host = [
         e
         for e in events
-        if e.device_type == DeviceType.CPU and e.cpu_parent is not None and e.cpu_parent.name == "benchmark.step"
+        if e.device_type == DeviceType.CPU
+        and e.cpu_parent is not None
+        and e.cpu_parent.name == "benchmark.step"
+        and e.time_range.start >= start
     ]
-    host = [e for e in host if e.time_range.start >= start]
     end = max(k[1] for k in kernels)
     gaps, busy_until = [], start
     for k0, k1 in kernels:
