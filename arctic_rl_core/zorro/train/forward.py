@@ -70,7 +70,7 @@ def selected_hidden_states(
             stats.tokens_needed,
             min_shared_tokens,
         )
-        return plain_selected_hidden_states(model, input_ids, attention_mask, select)
+        return plain_selected_hidden_states(model, input_ids, attention_mask, select, cuda_graphs=cuda_graphs)
     device = input_ids.device
     if kernel == "auto":
         kernel = default_kernel(device, decoder_body(model).dtype)
