@@ -21,6 +21,12 @@ layout's indices); a replay copies the new ones into those of the capture.
   step runs them, into one memory pool per key, so none reuses memory a graph still needs.
 - Later passes replay. A pass runs eagerly (and exactly) while an earlier replay still
   awaits its backward, since both would write the same activation memory.
+- A capture sees each parameter through an alias: the same memory under a fresh autograd
+  leaf. A parameter's own gradient accumulator runs on the stream it was made on, and a
+  training engine may have made it before any capture (DeepSpeed keeps one per parameter
+  for its gradient hooks, made on the default stream); reached from a captured backward,
+  it would pull that stream into the capture, which CUDA refuses. A replay hands the
+  aliases' gradients to the real parameters, whose accumulators then run eagerly.
 - A capture that fails is logged with its cause; that key then runs eagerly.
 
 Outputs and gradients are copied out of the graphs' static buffers, so nothing a caller
@@ -70,6 +76,7 @@ class _LayerGraph:
 
     inputs: list[torch.Tensor]  # static copies of the tensor arguments; inputs[0] is the hidden states
     params: tuple[nn.Parameter, ...]
+    aliases: tuple[nn.Parameter, ...]  # what the capture read for each of params: same memory, fresh leaves
     output: torch.Tensor
     forward: torch.cuda.CUDAGraph
     backward: torch.cuda.CUDAGraph | None = None  # captured at the start of the pass after the capture
@@ -79,12 +86,12 @@ class _LayerGraph:
 
     def gradients(self, grad_output: torch.Tensor, retain_graph: bool) -> tuple[torch.Tensor | None, ...]:
         """Through the captured forward's autograd graph: d hidden states, then d each parameter (None if unused)."""
-        trainable = [p for p in self.params if p.requires_grad]
+        trainable = [a for a in self.aliases if a.requires_grad]
         grads = torch.autograd.grad(
             self.output, [self.inputs[0], *trainable], grad_output, retain_graph=retain_graph, allow_unused=True
         )
-        by_param = dict(zip(map(id, trainable), grads[1:]))
-        return grads[0], *(by_param.get(id(p)) for p in self.params)
+        by_alias = dict(zip(map(id, trainable), grads[1:]))
+        return grads[0], *(by_alias.get(id(a)) for a in self.aliases)
 
 
 @dataclass(eq=False)
@@ -200,13 +207,14 @@ class LayerGraphs:
             call[i] = tensor
         args, kwargs = tree_unflatten(call, spec)
         params = tuple(layer.parameters())
+        aliases = tuple(nn.Parameter(p.detach(), requires_grad=p.requires_grad) for p in params)
         graph = torch.cuda.CUDAGraph()
-        with self._capturing(graph, entry.pool):
+        with self._capturing(graph, entry.pool), _parameters_as(layer, dict(zip(map(id, params), aliases))):
             output = forward(layer, *args, **kwargs)
         if not isinstance(output, torch.Tensor):
             raise TypeError(f"a graphed decoder layer must return one tensor, got {type(output).__name__}")
         self.captures += 1
-        return _LayerGraph(inputs=static, params=params, output=output, forward=graph)
+        return _LayerGraph(inputs=static, params=params, aliases=aliases, output=output, forward=graph)
 
     def _capture_backwards(self, entry: _Entry) -> bool:
         """Capture the backward of every layer that has none yet, last layer first; False if one failed."""
@@ -226,10 +234,7 @@ class LayerGraphs:
         with self._capturing(backward, entry.pool):
             graph.grads = graph.gradients(graph.grad_output, retain_graph=False)
         graph.backward = backward
-        # The same buffer, without the captured autograd graph. That graph holds the parameters'
-        # gradient accumulators made on the capture stream; once it is gone, the next forward makes
-        # them on the caller's stream, and backward stops syncing the two streams at every parameter.
-        graph.output = graph.output.detach()
+        graph.output = graph.output.detach()  # the same buffer; the captured autograd graph is spent
         self.captures += 1
 
     def _give_up(self, entry: _Entry, error: CaptureFailed) -> None:
@@ -250,14 +255,40 @@ class LayerGraphs:
             try:
                 yield
             except Exception as cause:  # what broke the capture, not capture_end's "previous error"
-                with contextlib.suppress(Exception):
-                    graph.capture_end()
+                _end_capture(graph, pool)
                 raise CaptureFailed(f"capture failed: {type(cause).__name__}: {cause}") from cause
-            try:
-                graph.capture_end()
-            except Exception as error:  # nothing raised inside: another call invalidated the capture
+            error = _end_capture(graph, pool)
+            if error is not None:  # nothing raised inside: another call invalidated the capture
                 raise CaptureFailed(f"capture invalidated: {error}") from error
         torch.cuda.current_stream().wait_stream(self._stream)
+
+
+def _end_capture(graph: torch.cuda.CUDAGraph, pool) -> Exception | None:
+    """End the capture, and the caching allocator's capture into ``pool`` also when it broke; the error, if any.
+
+    ``capture_end`` raises on a broken capture before it tells the allocator the capture is
+    over; left so, the allocator's next ``empty_cache`` fails an internal assertion and aborts
+    the process (a worker that sleeps after a failed capture).
+    """
+    try:
+        graph.capture_end()
+    except Exception as error:
+        torch._C._cuda_endAllocateToPool(torch.cuda.current_device(), pool)
+        return error
+    return None
+
+
+@contextlib.contextmanager
+def _parameters_as(layer: nn.Module, aliases: dict[int, nn.Parameter]) -> Iterator[None]:
+    """Inside the block, every parameter slot of ``layer`` holds the alias of its parameter (by identity)."""
+    slots = [(m, name, p) for m in layer.modules() for name, p in m._parameters.items() if p is not None]
+    for module, name, param in slots:
+        module._parameters[name] = aliases[id(param)]
+    try:
+        yield
+    finally:
+        for module, name, param in slots:
+            module._parameters[name] = param
 
 
 def _refill(statics: Sequence[torch.Tensor], tensors: Sequence[torch.Tensor]) -> None:

@@ -6,7 +6,7 @@ from transformers import AutoModelForCausalLM
 
 from arctic_rl_core.models.forward import decoder_body, lm_head
 from arctic_rl_core.models.forward import selected_hidden_states as plain_selected_hidden_states
-from arctic_rl_core.models.layer_graphs import layer_graphs, release_layer_graphs
+from arctic_rl_core.models.layer_graphs import CaptureFailed, LayerGraphs, layer_graphs, release_layer_graphs
 from arctic_rl_core.models.tiny import TinySpec, build_tiny_model
 from arctic_rl_core.zorro.train import attention as zorro_attention
 from arctic_rl_core.zorro.train import build_prefix_forest
@@ -154,6 +154,40 @@ def test_release_gives_the_graph_pools_back(model):
     # A new LayerGraphs starts over: eager, capture, replay.
     step(model, zorro_selected_hidden_states, batch, graphs=True)
     assert layer_graphs(body).captures == 0
+
+
+def test_gradient_accumulators_held_from_before_the_capture_neither_break_it_nor_miss_a_gradient(model):
+    """DeepSpeed's case: it makes each parameter's accumulator on the default stream and hooks it.
+
+    A captured backward that reached those accumulators would make the default stream wait on
+    the capture, which CUDA refuses; the layers were then left eager after a failed capture.
+    """
+    body = decoder_body(model)
+    release_layer_graphs(body)
+    layer_params = list(body.layers.parameters())
+    accumulators = [p.expand_as(p).grad_fn.next_functions[0][0] for p in layer_params]
+    hooked = []
+    for acc in accumulators:
+        acc.register_hook(lambda *_: hooked.append(1))
+    batch = grpo_rows()
+    eager = step(model, zorro_selected_hidden_states, batch, graphs=False)
+    hooked.clear()
+    for _ in range(4):  # seen, captured, replayed twice
+        assert_same(step(model, zorro_selected_hidden_states, batch, graphs=True), eager)
+    graphs = layer_graphs(body)
+    assert graphs.replays == 2 and not graphs._uncapturable
+    assert len(hooked) == 4 * len(layer_params)  # every step reached every parameter's own accumulator
+
+
+def test_a_failed_capture_leaves_the_caching_allocator_out_of_capture_mode(model):
+    graphs = LayerGraphs(decoder_body(model))
+    with pytest.raises(CaptureFailed, match="capture failed"):
+        with graphs._capturing(torch.cuda.CUDAGraph(), torch.cuda.graph_pool_handle()):
+            torch.ones(8, device="cuda").sum().item()  # a host sync: CUDA refuses it inside a capture
+    # Both failed an internal assertion and aborted the process while the allocator thought it captured.
+    torch.cuda.empty_cache()
+    torch.cuda.synchronize()
+    assert torch.ones(8, device="cuda").sum().item() == 8
 
 
 def test_gradient_checkpointing_keeps_the_layers_eager(model):
