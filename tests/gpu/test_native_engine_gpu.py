@@ -8,7 +8,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from arctic_rl_core.engines.runtime import clear_cublas_workspaces
-from arctic_rl_core.engines.sampling.native import NativeEngine
+from arctic_rl_core.engines.sampling.native import NativeEngine, model_runner
 from arctic_rl_core.engines.sampling.protocol import SamplingEngineOptions, SamplingParams
 from arctic_rl_core.models.tiny import TinySpec, build_tiny_model
 
@@ -57,6 +57,29 @@ def test_float32_greedy_with_cuda_graphs_equals_hf_generate(models, family):
 def test_graphs_and_eager_decode_agree(models):
     _close(_engine(models["qwen2"]).generate(PROMPTS, GREEDY),
            _engine(models["qwen2"], enforce_eager=True).generate(PROMPTS, GREEDY), 1e-5)  # fmt: skip
+
+
+def test_decode_plans_serve_steps_until_a_context_outgrows_them(models, monkeypatch):
+    """The runner replans only when a context passes its plan's room; results equal replanning every step."""
+    params = SamplingParams(max_tokens=150, temperature=0, ignore_eos=True)
+    built = []
+    plan_decode = model_runner.plan_decode
+    monkeypatch.setattr(model_runner, "plan_decode", lambda *a, **k: built.append(1) or plan_decode(*a, **k))
+    reused = _engine(models["qwen2"]).generate(PROMPTS, params)
+    # Contexts of 3-40 tokens grow by 150 in 64-position chunks: a few plans each, not one per step.
+    assert 3 <= len(built) <= 20
+
+    decode_plan = model_runner.ModelRunner._decode_plan
+
+    def every_step(runner, seqs, forest):
+        runner._plan_cache = None
+        return decode_plan(runner, seqs, forest)
+
+    monkeypatch.setattr(model_runner.ModelRunner, "_decode_plan", every_step)
+    built.clear()
+    replanned = _engine(models["qwen2"]).generate(PROMPTS, params)
+    assert len(built) >= 149
+    _close(reused, replanned, 1e-4)
 
 
 FOREST_PROMPTS = [list(range(30, 70)) + [80 + i] * (5 + 7 * i) for i in range(3)]

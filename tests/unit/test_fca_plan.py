@@ -22,14 +22,14 @@ TABLES = [[0, 1, 2, 3, 20], [0, 1, 2, 3, 21, 22], [0, 1, 2, 4, 23], [0, 1, 2, 5,
 LENGTHS = [18, 21, 17, 19, 13, 6]
 
 
-def _coverage(plan, num_queries):
-    """Per query: the sorted (table row's block prefix, position) pairs it reads, and its partial count."""
-    seen = [[] for _ in range(num_queries)]
+def _coverage(plan, lengths, tables=TABLES):
+    """Per query: the sorted (table row's block, position) pairs it reads (the kernel stops at its length)."""
+    seen = [[] for _ in lengths]
     for item in np.concatenate([plan.wide_items, plan.narrow_items]):
         queries = plan.query_index[item[QUERY_OFFSET] : item[QUERY_OFFSET] + item[QUERY_COUNT]]
         for i, q in enumerate(queries):
-            for pos in range(item[KV_START], item[KV_END]):
-                seen[q].append((TABLES[item[TABLE_ROW]][pos // BS], pos))
+            for pos in range(item[KV_START], min(item[KV_END], lengths[q])):
+                seen[q].append((tables[item[TABLE_ROW]][pos // BS], pos))
             if item[PARTIAL_ROW] != DIRECT:
                 lo, hi = plan.merge_offsets[q], plan.merge_offsets[q + 1]
                 assert item[PARTIAL_ROW] + i in plan.merge_rows[lo:hi]
@@ -40,8 +40,23 @@ def _coverage(plan, num_queries):
 def test_decode_plan_reads_each_position_once_through_a_table_that_holds_it(target_items):
     forest = build_forest(TABLES, LENGTHS, BS)
     plan = plan_decode(forest, LENGTHS, TileShape(3), target_items=target_items)
-    for q, reads in enumerate(_coverage(plan, len(TABLES))):
+    for q, reads in enumerate(_coverage(plan, LENGTHS)):
         assert reads == [(TABLES[q][pos // BS], pos) for pos in range(LENGTHS[q])]
+
+
+@pytest.mark.parametrize("target_items", [1, 16, 200])
+def test_a_decode_plan_covers_each_context_grown_up_to_its_capacity_and_no_further(target_items):
+    tables = [table + [50 + i] * 30 for i, table in enumerate(TABLES)]  # blocks enough to grow into
+    plan = plan_decode(build_forest(TABLES, LENGTHS, BS), LENGTHS, TileShape(3), target_items=target_items)
+    assert (plan.capacity >= LENGTHS).all()
+    # Each suffix's last chunk has the chunk's full length; a query with no suffix item (its whole
+    # context shared, here none) would have no room.
+    assert (plan.capacity > LENGTHS).any()
+    for q, reads in enumerate(_coverage(plan, plan.capacity, tables)):
+        assert reads == [(tables[q][pos // BS], pos) for pos in range(plan.capacity[q])]
+    # One past it, a position no item covers: the engine plans anew.
+    for q, reads in enumerate(_coverage(plan, plan.capacity + 1, tables)):
+        assert len(reads) == plan.capacity[q]
 
 
 def test_a_tight_capacity_grows_the_chunks_until_the_plan_fits():
@@ -64,3 +79,18 @@ def test_prefill_plan_writes_directly_and_covers_each_query_up_to_its_position()
         covered[queries] += 1
         assert item[KV_START] == 0
     assert (covered == 1).all()
+
+
+def test_items_run_longest_first_by_what_they_read_now_not_by_their_room():
+    lengths = np.array([600, 640, 640])  # 64-position chunks: the first context ends 24 positions into its last
+    plan = plan_decode(PrefixForest.unshared(3), lengths, TileShape(3), target_items=200)
+    items = plan.narrow_items
+    reads = np.minimum(items[:, KV_END], lengths[items[:, TABLE_ROW]]) - items[:, KV_START]
+    assert (items[:, KV_END] > lengths[items[:, TABLE_ROW]]).any()  # that item has room for 40 more
+    assert (np.diff(reads) <= 0).all() and reads[-1] == 24
+
+
+def test_contexts_split_into_at_most_the_target_number_of_items():
+    # 16 x 8193 / 264 rounds to 512-position chunks, 17 per context: 272 items, over the target.
+    plan = plan_decode(PrefixForest.unshared(16), [8193] * 16, TileShape(7), target_items=264)
+    assert 0.8 * 264 <= plan.num_items <= 264

@@ -79,6 +79,23 @@ def check_plain_decode_kernel_with_split_contexts_equals_reference():
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
 
 
+def check_a_decode_plan_serves_later_steps_up_to_its_capacity(target_items):
+    """The engine reuses a step's plan while contexts grow within it: the kernel cuts each item at its query."""
+    kernel = _kernel()
+    tables, lengths = THREE_LEVELS
+    tables = [table + [42 + i] for i, table in enumerate(tables)]  # a free block each, to grow into
+    tiles = TileShape(3, wide_rows=32, narrow_rows=4)
+    plan = plan_decode(build_forest(tables, lengths, BS), lengths, tiles, target_items=target_items)
+    grown = [n + 3 for n in lengths]
+    assert all(n <= room for n, room in zip(grown, plan.capacity))
+    k_cache, v_cache, block_tables, g = _setup(tables, 3)
+    q = torch.randn(len(tables), HKV * 3, D, generator=g)
+    positions = torch.tensor([n - 1 for n in grown], dtype=torch.int32)
+    out = _run(kernel, plan, q, k_cache, v_cache, block_tables, positions, tiles)
+    expected = paged_decode_attention(q, k_cache, v_cache, block_tables, grown, SCALE)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+
+
 def check_prefill_kernel_is_causal_after_a_cached_prefix():
     kernel = _kernel()
     tables = [[3, 4, 5, 6, 7, 8], [9, 10], [11]]
@@ -103,6 +120,10 @@ CHECKS = {
         for t in (1, 64)
     },  # fmt: skip
     "plain_decode_split": (check_plain_decode_kernel_with_split_contexts_equals_reference, ()),
+    **{
+        f"decode_plan_reused[target={t}]": (check_a_decode_plan_serves_later_steps_up_to_its_capacity, (t,))
+        for t in (1, 64)
+    },
     "prefill_causal": (check_prefill_kernel_is_causal_after_a_cached_prefix, ()),
 }
 

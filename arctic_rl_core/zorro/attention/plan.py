@@ -80,6 +80,10 @@ class AttentionPlan:
     query_index: np.ndarray
     merge_offsets: np.ndarray
     merge_rows: np.ndarray
+    # Decode plans: per query, the longest context the plan serves. Its last suffix chunk ends there,
+    # and the kernel stops each item at its queries' positions, so decode steps reuse the plan until
+    # a context outgrows it.
+    capacity: np.ndarray | None = None
 
     @property
     def num_partial_rows(self) -> int:
@@ -125,13 +129,19 @@ def _split_members(members: Sequence[int], tiles: TileShape) -> list[Sequence[in
     return [members[i : i + width] for i in range(0, len(members), width)]
 
 
-def _emit(t: _Tiles, chunk: np.ndarray, num_queries: int, tiles: TileShape) -> AttentionPlan:
-    """Items of every tile times every ``chunk``-long slice of its KV range, longest first (vectorized)."""
+def _emit(
+    t: _Tiles, chunk: np.ndarray, num_queries: int, tiles: TileShape, room: np.ndarray | None = None
+) -> AttentionPlan:
+    """Items of every tile times every ``chunk``-long slice of its KV range, longest first (vectorized).
+
+    ``room``: per tile, where its last item ends (at or past ``t.end``; the kernel stops at the queries).
+    """
     n_chunks = -(-(t.end - t.start) // chunk)
     tile_of = np.repeat(np.arange(len(n_chunks)), n_chunks)
     k = np.arange(len(tile_of)) - np.repeat(np.cumsum(n_chunks) - n_chunks, n_chunks)
     kv0 = t.start[tile_of] + k * chunk[tile_of]
-    kv1 = np.minimum(kv0 + chunk[tile_of], t.end[tile_of])
+    kv1 = np.minimum(kv0 + chunk[tile_of], (t.end if room is None else room)[tile_of])
+    work = np.minimum(kv0 + chunk[tile_of], t.end[tile_of]) - kv0  # what the kernel reads now
 
     # A query served by exactly one item is written directly; otherwise each of its items leaves a partial.
     per_query = np.bincount(t.queries, weights=np.repeat(n_chunks, t.count), minlength=num_queries)
@@ -153,7 +163,7 @@ def _emit(t: _Tiles, chunk: np.ndarray, num_queries: int, tiles: TileShape) -> A
         [t.offset[tile_of], t.count[tile_of], t.table_row[tile_of], kv0, kv1, np.where(direct, DIRECT, row_base)],
         axis=1,
     ).astype(np.int32)
-    items = items[np.argsort(kv0 - kv1, kind="stable")]  # longest first balances the persistent kernel's programs
+    items = items[np.argsort(-work, kind="stable")]  # longest first balances the persistent kernel's programs
     wide = items[:, QUERY_COUNT] > tiles.narrow_queries
     return AttentionPlan(
         wide_items=items[wide],
@@ -174,9 +184,11 @@ def plan_decode(
 ) -> AttentionPlan:
     """One query per request (its block-table row is its index): the forest's prefixes, then each suffix.
 
-    Contexts are split into chunks so that about ``target_items`` items exist
-    (enough to fill the device); chunks grow until the plan fits the
-    capacities of a captured graph's buffers.
+    Contexts are split into chunks so that at most ``target_items`` items exist
+    (about enough to fill the device); chunks grow until the plan fits the
+    capacities of a captured graph's buffers. Each suffix's last chunk is
+    planned at its full length, so the plan serves the following decode steps
+    too, up to ``capacity``.
     """
     groups = [
         (members, p.source, p.start, p.end) for p in forest.prefixes for members in _split_members(p.members, tiles)
@@ -185,18 +197,32 @@ def plan_decode(
     starts = np.asarray(forest.suffix_starts, dtype=np.int64)
     own = np.flatnonzero(starts < lengths)
     t = _Tiles.build(groups, (own, own, starts[own], lengths[own]))
+    suffix = np.arange(len(t.count)) >= len(groups)
     total = int((t.end - t.start).sum())
     floor = max(KV_ALIGN, _round_up(-(-total // max(target_items, 1)), KV_ALIGN))
     # A multi-query tile writes rows * head_dim partials per chunk: keep its chunks long enough to amortise that.
     group_floor = -(-tiles.chunk_per_row * t.count * tiles.group // KV_ALIGN) * KV_ALIGN
     longest = int((t.end - t.start).max(initial=0))
+
+    def chunks(floor: int) -> np.ndarray:
+        return np.where(t.count == 1, floor, np.maximum(floor, group_floor))
+
+    # Each range rounds up to whole chunks, up to one item more per tile than total / floor: grow the
+    # chunk until the count is within the target (the persistent kernel runs its units in waves of
+    # its programs, and a few units over a wave cost a whole one).
+    while floor < longest and (-(-(t.end - t.start) // chunks(floor))).sum() > target_items:
+        floor += KV_ALIGN
     while True:
-        chunk = np.where(t.count == 1, floor, np.maximum(floor, group_floor))
-        plan = _emit(t, chunk, len(lengths), tiles)
+        chunk = chunks(floor)
+        # Each suffix's last chunk runs to its full length: room for the tokens later steps add.
+        room = np.where(suffix, t.start + -(-(t.end - t.start) // chunk) * chunk, t.end)
+        plan = _emit(t, chunk, len(lengths), tiles, room)
         fits = (max_items is None or plan.num_items <= max_items) and (
             max_partial_rows is None or plan.num_partial_rows <= max_partial_rows
         )
         if fits:
+            plan.capacity = lengths.copy()  # a query with no suffix item needs a new plan at its next token
+            plan.capacity[own] = room[suffix]
             return plan
         if floor >= longest:
             raise ValueError(

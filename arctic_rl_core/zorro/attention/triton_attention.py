@@ -88,7 +88,8 @@ def _attend_item(
     query_count = tl.load(item + 1)
     table = BLOCK_TABLES + tl.load(item + 2).to(tl.int64) * stride_bt
     kv_start = tl.load(item + 3)
-    # Plans end every item at or before its last query's position + 1; later positions are masked per query.
+    # A decode suffix's last item may end past its query (the plan keeps room for later steps): the range
+    # is cut at the queries' last position below, and positions past each query's own are masked.
     kv_end = tl.load(item + 4)
     partial_row = tl.load(item + 5)
     if PREFETCH:
@@ -104,6 +105,8 @@ def _attend_item(
     head = kv_head * GROUP + rows % GROUP
     q = tl.load(Q + token[:, None] * stride_qt + head[:, None] * stride_qh + dims[None, :], mask=row_valid[:, None],
                 other=0.0)  # fmt: skip
+    # Only multi-query items are prefetched above, and their ranges never run past their queries.
+    kv_end = tl.minimum(kv_end, tl.max(tl.where(row_valid, position, -1), axis=0) + 1)
     # Steps wholly before every query's position and the range end need no mask (all of decode but the last).
     unmasked_end = tl.minimum(kv_end, tl.min(tl.where(row_valid, position, kv_end), axis=0) + 1)
 

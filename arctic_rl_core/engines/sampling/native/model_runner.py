@@ -115,6 +115,7 @@ class ModelRunner:
         self.graph_logits: dict[tuple[int, bool], torch.Tensor] = {}
         self.graph_pool = None
         self.staging: DecodeStaging | None = None
+        self._plan_cache: tuple[PrefixForest, tuple[int, ...], AttentionPlan] | None = None  # see _decode_plan
         if self.device.type == "cuda":
             sms = torch.cuda.get_device_properties(self.device).multi_processor_count
             self.target_items = max(32, 4 * sms // spec.num_kv_heads)
@@ -262,9 +263,8 @@ class ModelRunner:
         forest = forest or PrefixForest.unshared(len(seqs))
         if self.device.type != "cuda":
             return self._decode_cpu(seqs, forest)
-        lengths = [s.num_tokens for s in seqs]
         staging = self.staging
-        plan = plan_decode(forest, lengths, self.tiles, self.target_items, staging.max_items, staging.max_rows)
+        plan = self._decode_plan(seqs, forest)
         n = len(seqs)
         padded = next((b for b in self.graph_sizes if b >= n), n) if self.graphs else n
         staging.fill(seqs, plan, padded, self.block_size)
@@ -274,6 +274,23 @@ class ModelRunner:
             return self._decode_eager(n, wide=key[1])
         graph.replay()
         return self.graph_logits[key][:n]
+
+    def _decode_plan(self, seqs: list[Sequence], forest: PrefixForest) -> AttentionPlan:
+        """This step's attention plan: the last step's while the batch, its forest and the plan's room hold.
+
+        Planning is host work the GPU waits for at every step; a plan made with room
+        serves a batch of long generations for a chunk's worth of steps.
+        """
+        lengths = np.fromiter((s.num_tokens for s in seqs), dtype=np.int64, count=len(seqs))
+        ids = tuple(s.seq_id for s in seqs)
+        cached = self._plan_cache
+        # Items name block-table rows (batch indices), not blocks: blocks appended meanwhile change nothing.
+        if cached is not None and cached[1] == ids and cached[0] == forest and (lengths <= cached[2].capacity).all():
+            return cached[2]
+        staging = self.staging
+        plan = plan_decode(forest, lengths, self.tiles, self.target_items, staging.max_items, staging.max_rows)
+        self._plan_cache = (forest, ids, plan)
+        return plan
 
     def _decode_metadata(self, n: int, wide: bool) -> AttentionMetadata:
         d = self.staging.d
