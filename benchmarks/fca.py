@@ -170,7 +170,19 @@ def kernel_benchmark(tiles: TileShape) -> None:
               f"SDPA {r['diff_sdpa_ref']:.2e}")  # fmt: skip
 
 
-def e2e_benchmark(model_dir: Path, group: int, prompt_len: int, new_tokens: int) -> None:
+def replan_every_step(engine) -> None:
+    """The engine as it was before decode plans were reused: one plan per step (``--replan-every-step``)."""
+    runner = engine.runner
+    plan = runner._decode_plan
+
+    def every_step(seqs, forest):
+        runner._plan_cache = None
+        return plan(seqs, forest)
+
+    runner._decode_plan = every_step
+
+
+def e2e_benchmark(model_dir: Path, group: int, prompt_len: int, new_tokens: int, replan: bool = False) -> None:
     from sampling import build_qwen2_05b, gpu_ms, native_engine
 
     from arctic_rl_core.engines.sampling.protocol import SamplingParams
@@ -181,6 +193,8 @@ def e2e_benchmark(model_dir: Path, group: int, prompt_len: int, new_tokens: int)
     results = {}
     for use_fca in (True, False):
         engine = native_engine(path, prompt_len + new_tokens + 16, group, use_fca=use_fca)
+        if replan:
+            replan_every_step(engine)
         engine.generate([prompt[:100]], params.model_copy(update={"max_tokens": 8}))
         torch.cuda.synchronize()
         start = time.perf_counter()
@@ -227,12 +241,15 @@ def e2e_benchmark(model_dir: Path, group: int, prompt_len: int, new_tokens: int)
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--skip-e2e", action="store_true")
+    parser.add_argument("--skip-kernels", action="store_true")
+    parser.add_argument("--replan-every-step", action="store_true", help="end to end without decode plan reuse")
     parser.add_argument("--model-dir", type=Path, default=Path(tempfile.gettempdir()) / "qwen2-0.5b-random")
     args = parser.parse_args()
     print(f"device: {torch.cuda.get_device_name()}")
-    kernel_benchmark(TileShape(HEADS // KV_HEADS))
+    if not args.skip_kernels:
+        kernel_benchmark(TileShape(HEADS // KV_HEADS))
     if not args.skip_e2e:
-        e2e_benchmark(args.model_dir, group=16, prompt_len=8192, new_tokens=512)
+        e2e_benchmark(args.model_dir, group=16, prompt_len=8192, new_tokens=512, replan=args.replan_every_step)
 
 
 if __name__ == "__main__":
