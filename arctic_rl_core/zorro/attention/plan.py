@@ -207,11 +207,17 @@ def plan_decode(
     def chunks(floor: int) -> np.ndarray:
         return np.where(t.count == 1, floor, np.maximum(floor, group_floor))
 
-    # Each range rounds up to whole chunks, up to one item more per tile than total / floor: grow the
-    # chunk until the count is within the target (the persistent kernel runs its units in waves of
-    # its programs, and a few units over a wave cost a whole one).
-    while floor < longest and (-(-(t.end - t.start) // chunks(floor))).sum() > target_items:
-        floor += KV_ALIGN
+    # Each range rounds up to whole chunks, up to one item more per tile than total / floor: take the
+    # smallest chunk whose count is within the target (the persistent kernel runs its units in waves
+    # of its programs, and a few units over a wave cost a whole one). The count falls as chunks grow.
+    lo, hi = floor // KV_ALIGN, max(floor, _round_up(longest, KV_ALIGN)) // KV_ALIGN
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if (-(-(t.end - t.start) // chunks(mid * KV_ALIGN))).sum() <= target_items:
+            hi = mid
+        else:
+            lo = mid + 1
+    floor = lo * KV_ALIGN
     while True:
         chunk = chunks(floor)
         # Each suffix's last chunk runs to its full length: room for the tokens later steps add.
