@@ -170,18 +170,6 @@ def kernel_benchmark(tiles: TileShape) -> None:
               f"SDPA {r['diff_sdpa_ref']:.2e}")  # fmt: skip
 
 
-def replan_every_step(engine) -> None:
-    """The engine as it was before decode plans were reused: one plan per step (``--replan-every-step``)."""
-    runner = engine.runner
-    plan = runner._decode_plan
-
-    def every_step(seqs, forest):
-        runner._plan_cache = None
-        return plan(seqs, forest)
-
-    runner._decode_plan = every_step
-
-
 def e2e_benchmark(model_dir: Path, group: int, prompt_len: int, new_tokens: int, replan: bool = False) -> None:
     from sampling import build_qwen2_05b, gpu_ms, native_engine
 
@@ -193,8 +181,7 @@ def e2e_benchmark(model_dir: Path, group: int, prompt_len: int, new_tokens: int,
     results = {}
     for use_fca in (True, False):
         engine = native_engine(path, prompt_len + new_tokens + 16, group, use_fca=use_fca)
-        if replan:
-            replan_every_step(engine)
+        engine.runner.reuse_decode_plans = not replan  # --replan-every-step: the engine as it was before
         engine.generate([prompt[:100]], params.model_copy(update={"max_tokens": 8}))
         torch.cuda.synchronize()
         start = time.perf_counter()

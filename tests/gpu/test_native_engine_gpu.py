@@ -69,15 +69,10 @@ def test_decode_plans_serve_steps_until_a_context_outgrows_them(models, monkeypa
     # Contexts of 3-40 tokens grow by 150 in 64-position chunks: a few plans each, not one per step.
     assert 3 <= len(built) <= 20
 
-    decode_plan = model_runner.ModelRunner._decode_plan
-
-    def every_step(runner, seqs, forest):
-        runner._plan_cache = None
-        return decode_plan(runner, seqs, forest)
-
-    monkeypatch.setattr(model_runner.ModelRunner, "_decode_plan", every_step)
     built.clear()
-    replanned = _engine(models["qwen2"]).generate(PROMPTS, params)
+    engine = _engine(models["qwen2"])
+    engine.runner.reuse_decode_plans = False
+    replanned = engine.generate(PROMPTS, params)
     assert len(built) >= 149
     _close(reused, replanned, 1e-4)
 

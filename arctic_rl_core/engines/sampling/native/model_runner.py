@@ -116,6 +116,7 @@ class ModelRunner:
         self.graph_pool = None
         self.staging: DecodeStaging | None = None
         self._plan_cache: tuple[PrefixForest, tuple[int, ...], AttentionPlan] | None = None  # see _decode_plan
+        self.reuse_decode_plans = True  # False: plan every decode step (for comparisons)
         if self.device.type == "cuda":
             sms = torch.cuda.get_device_properties(self.device).multi_processor_count
             self.target_items = max(32, 4 * sms // spec.num_kv_heads)
@@ -285,7 +286,13 @@ class ModelRunner:
         ids = tuple(s.seq_id for s in seqs)
         cached = self._plan_cache
         # Items name block-table rows (batch indices), not blocks: blocks appended meanwhile change nothing.
-        if cached is not None and cached[1] == ids and cached[0] == forest and (lengths <= cached[2].capacity).all():
+        if (
+            self.reuse_decode_plans
+            and cached is not None
+            and cached[1] == ids
+            and cached[0] == forest
+            and (lengths <= cached[2].capacity).all()
+        ):
             return cached[2]
         staging = self.staging
         plan = plan_decode(forest, lengths, self.tiles, self.target_items, staging.max_items, staging.max_rows)
