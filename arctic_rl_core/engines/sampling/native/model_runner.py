@@ -4,8 +4,9 @@ On CUDA a decode step is one host-to-device copy of a pinned staging buffer
 (token ids, positions, cache slots and the attention work plan), one graph
 replay (the whole model, logits included) and the sampler. Graphs are captured
 per padded batch size, twice when FCA is on: with and without the grouped
-prefix launch. On CPU everything runs eagerly and attention is the torch
-reference.
+prefix launch. The attention work plan is made with room to grow, so it serves
+the steps after it until a context outgrows it or the batch changes. On CPU
+everything runs eagerly and attention is the torch reference.
 """
 
 from __future__ import annotations
