@@ -165,7 +165,7 @@ def kernel_benchmark(tiles: TileShape) -> None:
         print(f"  FCA speedup vs SDPA: {t['sdpa'] / t['fca']:.1f}x (target {goal:.0f}x);  "
               f"vs our plain paged kernel: {t['plain'] / t['fca']:.1f}x")  # fmt: skip
         print(f"  plan: {r['items'][0]} group items + {r['items'][1]} single items, built in {r['plan_ms']:.2f} ms "
-              f"(once per batch change)")  # fmt: skip
+              f"(the engine reuses it until the batch changes or a context outgrows it)")  # fmt: skip
         print(f"  bf16 max |FCA - plain| = {r['diff_fca_plain']:.2e};  vs fp32 reference: FCA {r['diff_fca_ref']:.2e}, "
               f"SDPA {r['diff_sdpa_ref']:.2e}")  # fmt: skip
 
