@@ -221,7 +221,7 @@ def plan_decode(
     while True:
         chunk = chunks(floor)
         # Each suffix's last chunk runs to its full length: room for the tokens later steps add.
-        room = np.where(suffix, t.start + -(-(t.end - t.start) // chunk) * chunk, t.end)
+        room = np.where(suffix, t.start + _round_up(t.end - t.start, chunk), t.end)
         plan = _emit(t, chunk, len(lengths), tiles, room)
         fits = (max_items is None or plan.num_items <= max_items) and (
             max_partial_rows is None or plan.num_partial_rows <= max_partial_rows
