@@ -170,7 +170,9 @@ def kernel_benchmark(tiles: TileShape) -> None:
               f"SDPA {r['diff_sdpa_ref']:.2e}")  # fmt: skip
 
 
-def e2e_benchmark(model_dir: Path, group: int, prompt_len: int, new_tokens: int, replan: bool = False) -> None:
+def e2e_benchmark(
+    model_dir: Path, group: int, prompt_len: int, new_tokens: int, replan: bool = False, sync: bool = False
+) -> None:
     from sampling import build_qwen2_05b, gpu_ms, native_engine
 
     from arctic_rl_core.engines.sampling.protocol import SamplingParams
@@ -180,7 +182,8 @@ def e2e_benchmark(model_dir: Path, group: int, prompt_len: int, new_tokens: int,
     params = SamplingParams(n=group, max_tokens=new_tokens, temperature=1.0, seed=0, ignore_eos=True)
     results = {}
     for use_fca in (True, False):
-        engine = native_engine(path, prompt_len + new_tokens + 16, group, use_fca=use_fca)
+        engine = native_engine(path, prompt_len + new_tokens + 16, group, use_fca=use_fca,
+                               extra={"async_scheduling": not sync})  # fmt: skip
         engine.runner.reuse_decode_plans = not replan  # --replan-every-step: the engine as it was before
         engine.generate([prompt[:100]], params.model_copy(update={"max_tokens": 8}))
         torch.cuda.synchronize()
@@ -200,7 +203,8 @@ def e2e_benchmark(model_dir: Path, group: int, prompt_len: int, new_tokens: int,
         graph_ms = gpu_ms(graph.replay)
         state = "on " if use_fca else "off"
         print(f"  FCA {state}: decode step {step_ms:.3f} ms wall = graph replay (model, attention, "
-              f"LM head) {graph_ms:.3f} ms + sampling and host work {step_ms - graph_ms:.3f} ms")  # fmt: skip
+              f"LM head) {graph_ms:.3f} ms + sampling and host work not overlapped {step_ms - graph_ms:.3f} ms "
+              f"({'synchronous' if sync else 'asynchronous'} scheduling)")  # fmt: skip
         engine.shutdown()
         del engine
         torch.cuda.empty_cache()
@@ -230,13 +234,15 @@ def main() -> None:
     parser.add_argument("--skip-e2e", action="store_true")
     parser.add_argument("--skip-kernels", action="store_true")
     parser.add_argument("--replan-every-step", action="store_true", help="end to end without decode plan reuse")
+    parser.add_argument("--sync-scheduling", action="store_true", help="end to end without asynchronous scheduling")
     parser.add_argument("--model-dir", type=Path, default=Path(tempfile.gettempdir()) / "qwen2-0.5b-random")
     args = parser.parse_args()
     print(f"device: {torch.cuda.get_device_name()}")
     if not args.skip_kernels:
         kernel_benchmark(TileShape(HEADS // KV_HEADS))
     if not args.skip_e2e:
-        e2e_benchmark(args.model_dir, group=16, prompt_len=8192, new_tokens=512, replan=args.replan_every_step)
+        e2e_benchmark(args.model_dir, group=16, prompt_len=8192, new_tokens=512, replan=args.replan_every_step,
+                      sync=args.sync_scheduling)  # fmt: skip
 
 
 if __name__ == "__main__":

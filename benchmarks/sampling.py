@@ -135,6 +135,8 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=256)
     parser.add_argument("--model-dir", type=Path, default=Path(tempfile.gettempdir()) / "qwen2-0.5b-random")
     parser.add_argument("--vllm-cpu", action="store_true", help="run sampling_vllm_cpu.py: vLLM-CPU vs native")
+    parser.add_argument("--sync-scheduling", action="store_true", help="the native engine without asynchronous "
+                        "scheduling (each step's tokens read before the next step is launched)")  # fmt: skip
     args = parser.parse_args()
     if args.vllm_cpu or not torch.cuda.is_available():
         import runpy
@@ -154,7 +156,8 @@ def main() -> None:
     hf_s = hf_generate(path, prompts.cuda(), args.new_tokens)
 
     start = time.perf_counter()
-    engine = native_engine(path, args.prompt_len + args.new_tokens + 16, max(args.batch, 16))
+    engine = native_engine(path, args.prompt_len + args.new_tokens + 16, max(args.batch, 16),
+                           extra={"async_scheduling": not args.sync_scheduling})  # fmt: skip
     init_s = time.perf_counter() - start
     params = SamplingParams(max_tokens=args.new_tokens, temperature=1.0, ignore_eos=True, seed=0)
     engine.generate(prompts[:, :16].tolist(), params.model_copy(update={"max_tokens": 4}))
@@ -171,7 +174,9 @@ def main() -> None:
     print(f"model: Qwen2-0.5B shape, bf16, {wbytes / 1e9:.3f} GB of weights; B={args.batch}, prompt "
           f"{args.prompt_len}, {args.new_tokens} new tokens; copy bandwidth {bandwidth / 1e12:.2f} TB/s")  # fmt: skip
     print(f"HF generate     : {hf_s:8.2f} s  {hf_tps:10.0f} tok/s")
-    print(f"native engine   : {native_s:8.2f} s  {native_tps:10.0f} tok/s   (engine start {init_s:.1f} s, not timed)")
+    scheduling = "synchronous" if args.sync_scheduling else "asynchronous"
+    print(f"native engine   : {native_s:8.2f} s  {native_tps:10.0f} tok/s   (engine start {init_s:.1f} s, not timed; "
+          f"{scheduling} scheduling)")  # fmt: skip
     print(f"speedup vs HF   : {native_tps / hf_tps:8.1f}x")
     print(f"weight-bandwidth bound: {bound:.0f} tok/s; native reaches {native_tps / bound:.1%} of it "
           f"({native_s / args.new_tokens * 1e3:.2f} ms per step incl. prefill)")  # fmt: skip

@@ -132,9 +132,18 @@ class BlockManager:
         return len(seq.block_table) >= seq.num_blocks or len(self.free) > 0
 
     def may_append(self, seq: Sequence) -> None:
-        """Before a decode step: a block for the newest token, and the registration of a block it completes."""
+        """Before a decode step: a block for the newest token, and the registration of a block it completes.
+
+        A block completed by a token still being sampled (asynchronous
+        scheduling) is registered once the token is known: ``register_last_block``.
+        """
         if len(seq.block_table) < seq.num_blocks:
             seq.block_table.append(self._take_free())
+        if not seq.has_pending_token:
+            self.register_last_block(seq)
+
+    def register_last_block(self, seq: Sequence) -> None:
+        """Make the sequence's last block findable by its hash if its newest token completed it."""
         if self.enable_prefix_caching and seq.num_tokens % self.block_size == 0:
             i = seq.num_tokens // self.block_size - 1
             parent = self.hashes[seq.block_table[i - 1]] if i > 0 else None

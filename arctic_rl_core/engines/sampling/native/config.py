@@ -15,6 +15,7 @@ from arctic_rl_core.engines.sampling.protocol import SamplingEngineOptions
 EXTRA_KEYS = {
     "max_num_batched_tokens": "tokens computed in one prefill step (default: max(16384, max_model_len))",
     "zorro_inference": 'alias of use_fca, as arctic_inference_config spells it: {"enable": bool}',
+    "async_scheduling": "launch each decode step before reading the last one's tokens (default true)",
 }
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -36,6 +37,7 @@ class EngineConfig:
     use_cuda_graphs: bool
     use_fca: bool
     eos_token_ids: frozenset[int]
+    async_scheduling: bool = True
 
     @property
     def max_blocks_per_seq(self) -> int:
@@ -76,6 +78,9 @@ class EngineConfig:
             if not isinstance(zorro, dict) or not isinstance(zorro.get("enable"), bool) or set(zorro) != {"enable"}:
                 raise ValueError(f"options.extra['zorro_inference']={zorro!r}: expected {{'enable': bool}}")
             use_fca = zorro["enable"]
+        async_scheduling = options.extra.get("async_scheduling", True)
+        if not isinstance(async_scheduling, bool):
+            raise ValueError(f"options.extra['async_scheduling']={async_scheduling!r}: expected a bool")
 
         device = torch.device(options.device)
         return cls(
@@ -94,6 +99,7 @@ class EngineConfig:
             use_cuda_graphs=device.type == "cuda" and not options.enforce_eager,
             use_fca=use_fca,
             eos_token_ids=frozenset(eos_token_ids(model_path, hf_config)),
+            async_scheduling=async_scheduling,
         )
 
 

@@ -3,6 +3,15 @@
 ``step()`` is the whole engine loop: ``scheduler.schedule()`` ->
 ``model_runner.run(batch)`` -> append tokens and finish what stopped.
 
+Asynchronous scheduling (on by default): while a decode batch runs
+unchanged, each step launches the next one before reading the last one's
+tokens, which the device feeds itself as the next inputs. The host's
+bookkeeping, stop checks and scheduling then overlap the device's work
+instead of leaving it idle between steps. A sequence that stops on a token
+(EOS, a stop string) has had one more step launched for it; that step's token
+is dropped, so outputs are those of the synchronous loop. Any change to the
+batch (a finish, a new request, an abort) first completes the step in flight.
+
 Threads: ``add_request`` and ``abort_request`` may be called from any thread
 (they only queue work); everything else, ``step`` and ``generate`` included,
 must be called from one thread, the engine's. A worker serving concurrent
@@ -29,8 +38,8 @@ from arctic_rl_core.engines.runtime import empty_device_cache
 from arctic_rl_core.engines.sampling.native.block_manager import BlockManager
 from arctic_rl_core.engines.sampling.native.config import EngineConfig
 from arctic_rl_core.engines.sampling.native.model_runner import ModelRunner
-from arctic_rl_core.engines.sampling.native.sampler import noise_key
-from arctic_rl_core.engines.sampling.native.scheduler import Scheduler
+from arctic_rl_core.engines.sampling.native.sampler import SampledTokens, noise_key
+from arctic_rl_core.engines.sampling.native.scheduler import Batch, Scheduler
 from arctic_rl_core.engines.sampling.native.sequence import Sequence
 from arctic_rl_core.engines.sampling.native.weights import WeightLoader, iter_checkpoint
 from arctic_rl_core.engines.sampling.protocol import Completion, SamplingEngineOptions, SamplingParams
@@ -49,6 +58,14 @@ class RequestOutput:
 class _Request:
     request_id: Hashable
     seqs: list[Sequence]
+
+
+@dataclass
+class _LaunchedStep:
+    """A step on the device whose tokens have not been read yet."""
+
+    batch: Batch
+    sampled: SampledTokens
 
 
 class NativeEngine:
@@ -73,6 +90,7 @@ class NativeEngine:
         self._auto_ids = itertools.count()
         self._asleep: set[str] = set()
         self._loader: WeightLoader | None = None  # made at the first load; its views follow the weights
+        self._launched: _LaunchedStep | None = None  # a decode step launched ahead (asynchronous scheduling)
 
     # ---- engine loop ----------------------------------------------------------------------------------------
     def add_request(
@@ -97,7 +115,7 @@ class NativeEngine:
             self._inbox.append(("abort", request_id))
 
     def has_unfinished(self) -> bool:
-        return bool(self._inbox or self._undelivered or self.scheduler.has_unfinished())
+        return bool(self._inbox or self._undelivered or self.scheduler.has_unfinished() or self._launched)
 
     def step(self) -> list[RequestOutput]:
         """Run one scheduled step; returns the requests that finished (and any finished during ``generate``)."""
@@ -106,16 +124,74 @@ class NativeEngine:
 
     def _step(self) -> list[RequestOutput]:
         self._require_awake()
+        launched, self._launched = self._launched, None
+        if launched is not None and not self._inbox and self._continues(launched.batch):
+            try:
+                batch = self.scheduler.schedule()
+                if [s.seq_id for s in batch.seqs] != [s.seq_id for s in launched.batch.seqs]:
+                    raise RuntimeError("asynchronous scheduling expected the same decode batch again")
+                # The next step goes to the device before this one's tokens are read: they are its inputs there.
+                step = _LaunchedStep(batch, self.runner.run(batch, previous=launched.sampled))
+            except BaseException:
+                self._launched = launched  # still to be read; the caller's aborts come after it
+                raise
+            outputs = self._complete(launched)
+            running = [s for s in batch.seqs if not s.is_finished]
+            if running:
+                for seq in running:
+                    seq.append_pending()
+                self._launched = step
+            else:
+                step.sampled.values()  # every sequence stopped: nothing to read, but leave the device idle
+            return outputs
+        outputs = self._complete(launched) if launched is not None else []
         self._drain_inbox()
         if not self.scheduler.has_unfinished():
-            return []
+            return outputs
         batch = self.scheduler.schedule()
-        tokens, logprobs = self.runner.run(batch)
+        step = _LaunchedStep(batch, self.runner.run(batch))
+        if batch.is_prefill or not self.config.async_scheduling:
+            return outputs + self._complete(step)
+        for seq in batch.seqs:
+            seq.append_pending()
+        self._launched = step
+        return outputs
+
+    def _continues(self, batch: Batch) -> bool:
+        """Whether the next step is this decode batch again, one token on, whatever its pending tokens are.
+
+        Then its inputs can stay on the device. Not when requests wait, a
+        pending token ends a sequence by length, or blocks would run out.
+        """
+        running = self.scheduler.running
+        if batch.is_prefill or self.scheduler.waiting or len(running) != len(batch.seqs):
+            return False
+        new_blocks = 0
+        for queued, seq in zip(running, batch.seqs):
+            if queued is not seq:
+                return False
+            if seq.num_completion_tokens >= seq.params.max_tokens or seq.num_tokens >= self.config.max_model_len:
+                return False
+            new_blocks += len(seq.block_table) < seq.num_blocks
+        return new_blocks <= self.block_manager.num_free_blocks
+
+    def _complete(self, step: _LaunchedStep) -> list[RequestOutput]:
+        """Read a step's tokens: append them (or fill in the pending ones) and finish what stopped."""
+        tokens, logprobs = step.sampled.values()
         finished = []
-        for seq, token, logprob in zip(batch.seqs, tokens, logprobs):
-            seq.append(token, logprob)
-            if self._stop(seq):
-                finished.append(seq.request_id)
+        for seq, token, logprob in zip(step.batch.seqs, tokens, logprobs):
+            if seq.is_finished:
+                continue  # it stopped, or was aborted, while this step ran: the token is dropped
+            if seq.has_pending_token:
+                seq.resolve_pending(token, logprob)
+                if not self._stop(seq):
+                    self.block_manager.register_last_block(seq)
+                    continue
+            else:
+                seq.append(token, logprob)
+                if not self._stop(seq):
+                    continue
+            finished.append(seq.request_id)
         outputs = []
         for request_id in dict.fromkeys(finished):
             request = self._requests[request_id]
@@ -303,6 +379,9 @@ class NativeEngine:
         return {"restored_bytes": restored}
 
     def shutdown(self) -> None:
+        if self._launched is not None:
+            self._launched.sampled.values()  # the device may still be reading the cache freed below
+            self._launched = None
         for request_id in list(self._requests):
             self.scheduler.abort(request_id)
         self._requests.clear()

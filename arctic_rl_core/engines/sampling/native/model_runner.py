@@ -20,7 +20,7 @@ from arctic_rl_core.engines.runtime import clear_cublas_workspaces
 from arctic_rl_core.engines.sampling.native.attention import AttentionMetadata
 from arctic_rl_core.engines.sampling.native.config import EngineConfig
 from arctic_rl_core.engines.sampling.native.model import CausalLM
-from arctic_rl_core.engines.sampling.native.sampler import Sampler, min_logits
+from arctic_rl_core.engines.sampling.native.sampler import SampledTokens, Sampler, min_logits
 from arctic_rl_core.engines.sampling.native.scheduler import Batch
 from arctic_rl_core.engines.sampling.native.sequence import Sequence
 from arctic_rl_core.engines.sampling.native.weights import load_checkpoint
@@ -60,6 +60,21 @@ class DecodeStaging:
         self.tables_dev = torch.zeros(max_seqs, max_blocks, dtype=torch.int32, device=device)
         self._row_owner: list[tuple[int, int, int] | None] = [None] * max_seqs
         self.max_items, self.max_refs, self.max_rows = max_items, max_refs, max_rows
+        # The host arrays are the source of an asynchronous copy: with steps launched ahead (asynchronous
+        # scheduling), the next fill waits for the last copy to have run instead of for the whole step.
+        self._copied = torch.cuda.Event()
+        self._copied.record()
+
+    def reset(self) -> None:
+        """Inputs graph warm-ups and captures can run on: token 0 everywhere, no KV writes, no attention work.
+
+        (The last step's may hold pending tokens' placeholders, -1, which no embedding row has.)
+        """
+        self._copied.synchronize()
+        for name in ("input_ids", "positions", "counts", "merge_offsets"):
+            self.h[name][:] = 0
+        self.h["slots"][:] = -1
+        self.dev.copy_(self.host)
 
     def device_plan(self, num_queries: int):
         from arctic_rl_core.zorro.attention.triton_attention import DevicePlan
@@ -69,6 +84,8 @@ class DecodeStaging:
                           d["merge_offsets"][: num_queries + 1], d["merge_rows"])  # fmt: skip
 
     def fill(self, seqs: list[Sequence], plan: AttentionPlan, padded: int, block_size: int) -> None:
+        """Write the step's inputs and copy them to the device (pending tokens' ids are overwritten there)."""
+        self._copied.synchronize()
         h = self.h
         n = len(seqs)
         lengths = [s.num_tokens for s in seqs]
@@ -99,6 +116,7 @@ class DecodeStaging:
             self._row_owner[i] = (seq.seq_id, seq.allocations, len(table))
         self.dev.copy_(self.host, non_blocking=True)
         self.tables_dev[:n].copy_(self.tables_host[:n], non_blocking=True)
+        self._copied.record()
 
 
 class ModelRunner:
@@ -219,8 +237,19 @@ class ModelRunner:
 
     # ---- steps ----------------------------------------------------------------------------------------------
     @torch.inference_mode()
-    def run(self, batch: Batch) -> tuple[list[int], list[float]]:
-        logits = self._prefill(batch.seqs) if batch.is_prefill else self._decode(batch.seqs, batch.forest)
+    def run(self, batch: Batch, previous: SampledTokens | None = None) -> SampledTokens:
+        """Launch the batch's forward pass and sampling; the tokens reach the host when read.
+
+        ``previous``: the last decode step's tokens, still on the device. They
+        are this decode batch's inputs, for sequences whose newest token is
+        pending: the batch is that step's again, in the same order.
+        """
+        if batch.is_prefill:
+            logits = self._prefill(batch.seqs)
+        else:
+            if (previous is not None) != batch.seqs[0].has_pending_token:
+                raise RuntimeError("a decode batch with pending tokens needs the step that samples them")
+            logits = self._decode(batch.seqs, batch.forest, previous)
         return self.sampler(logits, batch.seqs)
 
     def _prefill_metadata(self, query_lens, context_lens, slots, positions, block_tables) -> AttentionMetadata:
@@ -261,15 +290,19 @@ class ModelRunner:
         hidden = self.model(torch.tensor(ids, dtype=torch.int64).to(dev), meta.positions, self.kv_cache, meta)
         return self.model.compute_logits(hidden[last])
 
-    def _decode(self, seqs: list[Sequence], forest: PrefixForest | None) -> torch.Tensor:
+    def _decode(
+        self, seqs: list[Sequence], forest: PrefixForest | None, previous: SampledTokens | None
+    ) -> torch.Tensor:
         forest = forest or PrefixForest.unshared(len(seqs))
         if self.device.type != "cuda":
-            return self._decode_cpu(seqs, forest)
+            return self._decode_cpu(seqs, forest, previous)
         staging = self.staging
         plan = self._decode_plan(seqs, forest)
         n = len(seqs)
         padded = next((b for b in self.graph_sizes if b >= n), n) if self.graphs else n
         staging.fill(seqs, plan, padded, self.block_size)
+        if previous is not None:
+            staging.d["input_ids"][:n].copy_(previous.tokens[:n])  # queued after the step that samples them
         key = (padded, len(plan.wide_items) > 0)
         graph = self.graphs.get(key)
         if graph is None:
@@ -313,7 +346,7 @@ class ModelRunner:
         hidden = self.model(self.staging.d["input_ids"][:n], meta.positions, self.kv_cache, meta)
         return self.model.compute_logits(hidden)
 
-    def _decode_cpu(self, seqs: list[Sequence], forest: PrefixForest) -> torch.Tensor:
+    def _decode_cpu(self, seqs: list[Sequence], forest: PrefixForest, previous: SampledTokens | None) -> torch.Tensor:
         bs = self.block_size
         lengths = [s.num_tokens for s in seqs]
         width = max(len(s.block_table) for s in seqs)
@@ -328,7 +361,8 @@ class ModelRunner:
             context_lens=lengths,
             forest=forest,
         )
-        hidden = self.model(torch.tensor([s.last_token for s in seqs]), meta.positions, self.kv_cache, meta)
+        input_ids = previous.tokens[: len(seqs)] if previous is not None else torch.tensor([s.last_token for s in seqs])
+        hidden = self.model(input_ids, meta.positions, self.kv_cache, meta)
         return self.model.compute_logits(hidden)
 
     # ---- CUDA graphs ----------------------------------------------------------------------------------------
@@ -340,10 +374,7 @@ class ModelRunner:
     def capture_graphs(self) -> None:
         """One graph per padded batch size (and per FCA launch set), largest first so they share one pool."""
         self.drop_graphs()
-        self.staging.h["counts"][:] = 0
-        self.staging.h["merge_offsets"][:] = 0
-        self.staging.h["slots"][:] = -1
-        self.staging.dev.copy_(self.staging.host)
+        self.staging.reset()
         self.graph_pool = torch.cuda.graph_pool_handle()
         variants = (False, True) if self.config.use_fca else (False,)
         # The captures' cuBLAS workspace must live in the graphs' pool and go with it: cleared before, it is

@@ -10,6 +10,8 @@ at temperature 1.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from arctic_rl_core.engines.sampling.native import ops
@@ -51,6 +53,34 @@ def min_logits(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Ten
     return values.gather(1, last[:, None])[:, 0]
 
 
+@dataclass
+class SampledTokens:
+    """One step's tokens and log-probs: on the device, where the next decode step can read them as its
+    inputs, and on their way to the host (a copy the step's caller waits for only in ``values``)."""
+
+    tokens: torch.Tensor
+    logprobs: torch.Tensor
+    _host: torch.Tensor | None = None  # [2, rows] float64, pinned
+    _copied: torch.cuda.Event | None = None
+
+    @classmethod
+    def copy_to_host(cls, tokens: torch.Tensor, logprobs: torch.Tensor) -> "SampledTokens":
+        if not tokens.is_cuda:
+            return cls(tokens, logprobs)
+        host = torch.empty((2, len(tokens)), dtype=torch.float64, pin_memory=True)
+        host.copy_(torch.stack([tokens.double(), logprobs.double()]), non_blocking=True)
+        copied = torch.cuda.Event()
+        copied.record()
+        return cls(tokens, logprobs, host, copied)
+
+    def values(self) -> tuple[list[int], list[float]]:
+        """Token ids and log-probs as lists; waits for the device if the step is still running."""
+        if self._copied is None:
+            return self.tokens.tolist(), self.logprobs.tolist()
+        self._copied.synchronize()
+        return self._host[0].long().tolist(), self._host[1].tolist()
+
+
 class Sampler:
     def __init__(self, eos_token_ids: frozenset[int], device: torch.device):
         self.eos_token_ids = sorted(eos_token_ids)
@@ -60,7 +90,7 @@ class Sampler:
         self._temperature: torch.Tensor | None = None
         self._filtered: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
-    def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int], list[float]]:
+    def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> SampledTokens:
         device = self.device
         key = tuple(s.seq_id for s in seqs)
         if key != self._batch_key:
@@ -73,11 +103,7 @@ class Sampler:
         if self._filtered is not None:
             index, top_k, top_p = self._filtered
             floor[index] = min_logits(logits[index], temperature[index], top_k, top_p)
-        tokens, logprobs = ops.sample_tokens(logits, temperature, floor, keys, banned)
-        if device.type == "cuda":
-            out = torch.stack([tokens.double(), logprobs.double()]).cpu()
-            return out[0].long().tolist(), out[1].tolist()
-        return tokens.tolist(), logprobs.tolist()
+        return SampledTokens.copy_to_host(*ops.sample_tokens(logits, temperature, floor, keys, banned))
 
     def _prepare_batch(self, key: tuple[int, ...], seqs: list[Sequence]) -> None:
         params = [s.params for s in seqs]

@@ -7,6 +7,8 @@ from itertools import count
 
 from arctic_rl_core.engines.sampling.protocol import SamplingParams
 
+PENDING = -1  # the token of a decode step still on the device (asynchronous scheduling)
+
 
 class SequenceStatus(Enum):
     WAITING = auto()
@@ -83,3 +85,15 @@ class Sequence:
     def append(self, token_id: int, logprob: float) -> None:
         self.token_ids.append(token_id)
         self.logprobs.append(logprob)
+
+    @property
+    def has_pending_token(self) -> bool:
+        return self.token_ids[-1] == PENDING
+
+    def append_pending(self) -> None:
+        """Count the token a launched decode step is sampling; ``resolve_pending`` fills it in."""
+        self.append(PENDING, 0.0)
+
+    def resolve_pending(self, token_id: int, logprob: float) -> None:
+        self.token_ids[-1] = token_id
+        self.logprobs[-1] = logprob
