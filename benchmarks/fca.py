@@ -185,7 +185,9 @@ def e2e_benchmark(
         engine = native_engine(path, prompt_len + new_tokens + 16, group, use_fca=use_fca,
                                extra={"async_scheduling": not sync})  # fmt: skip
         engine.runner.reuse_decode_plans = not replan  # --replan-every-step: the engine as it was before
-        engine.generate([prompt[:100]], params.model_copy(update={"max_tokens": 8}))
+        # Warm-up at full length on another prompt: the first 8K prefill of a process allocates and compiles.
+        engine.generate([[(t + 1) % 151936 for t in prompt]], params.model_copy(update={"max_tokens": 8}))
+        engine.reset_prefix_cache()
         torch.cuda.synchronize()
         start = time.perf_counter()
         engine.add_request(prompt, params, request_id="rollout")
