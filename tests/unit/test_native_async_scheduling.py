@@ -3,9 +3,12 @@
 import pytest
 import torch
 
+from arctic_rl_core.config import ArcticRLClientConfig
 from arctic_rl_core.engines.sampling.native import NativeEngine
+from arctic_rl_core.engines.sampling.native.config import EngineConfig
 from arctic_rl_core.engines.sampling.protocol import SamplingEngineOptions, SamplingParams
 from arctic_rl_core.models.tiny import TinySpec, build_tiny_model
+from arctic_rl_core.server.manager import sampling_options
 
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11, 12, 13], [100, 200, 300], [7] * 21]
 
@@ -116,6 +119,12 @@ def test_an_abort_while_a_step_is_in_flight_frees_the_blocks_and_returns_nothing
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
 
 
-def test_async_scheduling_option_must_be_a_bool(model):
+def test_vllm_config_turns_async_scheduling_off_and_rejects_a_non_bool(model):
+    def engine_config(vllm_config):
+        config = ArcticRLClientConfig(model_name=str(model), training_gpus=1, vllm_config=vllm_config)
+        return EngineConfig.from_options(str(model), sampling_options(config, "cpu"))
+
+    assert engine_config(None).async_scheduling is True
+    assert engine_config({"async_scheduling": False}).async_scheduling is False
     with pytest.raises(ValueError, match="async_scheduling"):
-        _engine(model, async_scheduling="yes")
+        engine_config({"async_scheduling": "yes"})

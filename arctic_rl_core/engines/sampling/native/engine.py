@@ -182,16 +182,15 @@ class NativeEngine:
         for seq, token, logprob in zip(step.batch.seqs, tokens, logprobs):
             if seq.is_finished:
                 continue  # it stopped, or was aborted, while this step ran: the token is dropped
-            if seq.has_pending_token:
+            pending = seq.has_pending_token
+            if pending:
                 seq.resolve_pending(token, logprob)
-                if not self._stop(seq):
-                    self.block_manager.register_last_block(seq)
-                    continue
             else:
                 seq.append(token, logprob)
-                if not self._stop(seq):
-                    continue
-            finished.append(seq.request_id)
+            if self._stop(seq):
+                finished.append(seq.request_id)
+            elif pending:
+                self.block_manager.register_last_block(seq)  # scheduled before its token was known
         outputs = []
         for request_id in dict.fromkeys(finished):
             request = self._requests[request_id]
