@@ -1,8 +1,11 @@
 """Runs the model for a scheduled batch: inputs, the paged KV cache, CUDA graphs for decode, sampling.
 
 On CUDA a decode step is one host-to-device copy of a pinned staging buffer
-(token ids, positions, cache slots and the attention work plan), one graph
-replay (the whole model, logits included) and the sampler. Graphs are captured
+(token ids, positions, cache slots and the attention work plan), a copy of the
+last step's tokens into the token ids when the host has not read them yet
+(asynchronous scheduling), one graph replay (the whole model, logits
+included) and the sampler, whose tokens start back to the host without the
+step waiting for them. Graphs are captured
 per padded batch size, twice when FCA is on: with and without the grouped
 prefix launch. The attention work plan is made with room to grow, so it serves
 the steps after it until a context outgrows it or the batch changes. On CPU
