@@ -138,9 +138,7 @@ class NativeEngine:
             outputs = self._complete(launched)
             running = [s for s in batch.seqs if not s.is_finished]
             if running:
-                for seq in running:
-                    seq.append_pending()
-                self._launched = step
+                self._leave_in_flight(step, running)
             else:
                 step.sampled.values()  # every sequence stopped: nothing to read, but leave the device idle
             return outputs
@@ -152,10 +150,14 @@ class NativeEngine:
         step = _LaunchedStep(batch, self.runner.run(batch))
         if batch.is_prefill or not self.config.async_scheduling:
             return outputs + self._complete(step)
-        for seq in batch.seqs:
+        self._leave_in_flight(step, batch.seqs)
+        return outputs
+
+    def _leave_in_flight(self, step: _LaunchedStep, seqs: list[Sequence]) -> None:
+        """Keep ``step`` on the device, unread; ``seqs`` count the token it is sampling for them."""
+        for seq in seqs:
             seq.append_pending()
         self._launched = step
-        return outputs
 
     def _continues(self, batch: Batch) -> bool:
         """Whether the next step is this decode batch again, one token on, whatever its pending tokens are.
@@ -170,7 +172,7 @@ class NativeEngine:
         for queued, seq in zip(running, batch.seqs):
             if queued is not seq:
                 return False
-            if seq.num_completion_tokens >= seq.params.max_tokens or seq.num_tokens >= self.config.max_model_len:
+            if self._reached_length(seq):
                 return False
             new_blocks += len(seq.block_table) < seq.num_blocks
         return new_blocks <= self.block_manager.num_free_blocks
@@ -240,10 +242,14 @@ class NativeEngine:
                     seq.text_end, stop = hit
                     self.scheduler.finish(seq, "stop", stop_reason=stop)
                     return True
-        if seq.num_completion_tokens >= p.max_tokens or seq.num_tokens >= self.config.max_model_len:
+        if self._reached_length(seq):
             self.scheduler.finish(seq, "length")
             return True
         return False
+
+    def _reached_length(self, seq: Sequence) -> bool:
+        """Whether ``seq`` has its ``max_tokens`` or fills ``max_model_len`` (its pending token counted)."""
+        return seq.num_completion_tokens >= seq.params.max_tokens or seq.num_tokens >= self.config.max_model_len
 
     def _find_stop_string(self, seq: Sequence) -> tuple[int, str] | None:
         """The earliest stop string that the newest token completed, as (text position, string)."""
