@@ -9,8 +9,9 @@ item is the query's only one, else to partials (in the attention dtype) with
 their float32 log-sum-exp. ``_merge_partials`` then combines each query's
 partials exactly. Both take their sizes from device memory, so one CUDA graph
 serves every step. The attention kernel runs as many programs as fit on the
-device at once (from its compiled registers); the merge is launched as its
-programmatic dependent, so its start overlaps the attention kernel's tail.
+device at once (from its compiled registers). On Hopper both are launched as
+programmatic dependents: the attention kernel's start overlaps the tail of the
+kernel that wrote its queries, and the merge's the attention kernel's.
 """
 
 from __future__ import annotations
@@ -155,6 +156,9 @@ def _attend_items(
     One launch for both widths lets the short suffix units fill the device
     while the grouped prefix units run, instead of waiting for them.
     """
+    if USE_PDL:
+        # Launched as a programmatic dependent: the queries and the cache are the kernels' before us.
+        gdc_wait()
     # Plans run with HAS_WIDE=False have no wide items, so the first branch is never taken there.
     num_wide = tl.load(COUNTS) * NUM_KV_HEADS
     num_work = num_wide + tl.load(COUNTS + 1) * NUM_KV_HEADS
@@ -200,6 +204,7 @@ def _merge_partials(
     prow = tl.load(MERGE_ROWS + entries, mask=entries < hi, other=0).to(tl.int64) * NUM_HEADS + head
     if USE_PDL:
         gdc_wait()
+        gdc_launch_dependents()
     m = float("-inf")
     total = 0.0
     acc = tl.zeros([HEAD_DIM], tl.float32)
@@ -341,7 +346,7 @@ def paged_attention(
     if wide and tiles.wide_maxnreg:
         options["maxnreg"] = tiles.wide_maxnreg
     programs = _resident_programs(args, options, q.device) if q.is_cuda else 4
-    _attend_items[(programs,)](*args, **options)
+    _attend_items[(programs,)](*args, **options, **({"launch_pdl": True} if use_pdl else {}))
     if merge:
         _merge_partials[(num_tokens, num_heads)](
             out, workspace.partial_out, workspace.partial_lse, plan.merge_offsets, plan.merge_rows,

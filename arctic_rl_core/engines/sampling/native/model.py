@@ -2,8 +2,10 @@
 
 The q, k and v projections are one matrix (one GEMM), as are gate and up;
 norms, rotary embedding with the KV-cache write, and the gated activation are
-fused kernels on CUDA (``ops``). ``weights`` maps Hugging Face parameter names
-onto this layout.
+fused kernels on CUDA (``ops``). Decode batches of a half-precision model
+run their projections as ``decode_linear`` kernels (the gated activation
+inside the gate/up one), each launched while the kernel before it finishes.
+``weights`` maps Hugging Face parameter names onto this layout.
 """
 
 from __future__ import annotations
@@ -134,7 +136,7 @@ class Attention(nn.Module):
 
     def forward(self, x, positions, cos, sin, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
         spec = self.spec
-        qkv = F.linear(x, self.qkv_proj.weight, self.qkv_proj.bias)
+        qkv = ops.linear(x, self.qkv_proj.weight, self.qkv_proj.bias)
         q = ops.rotary_and_store(
             qkv, positions, cos, sin,
             self.q_norm.weight if self.q_norm is not None else None,
@@ -142,7 +144,7 @@ class Attention(nn.Module):
             spec.rms_norm_eps, k_cache, v_cache, meta.slot_mapping, spec.num_heads, spec.num_kv_heads,
         )  # fmt: skip
         out = attend(q, k_cache, v_cache, meta, self.scale)
-        return F.linear(out.flatten(1), self.o_proj.weight, self.o_proj.bias)
+        return ops.linear(out.flatten(1), self.o_proj.weight, self.o_proj.bias)
 
 
 class MLP(nn.Module):
@@ -153,7 +155,7 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(spec.intermediate_size, spec.hidden_size, bias=False, dtype=dtype, device=device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(ops.silu_and_mul(F.linear(x, self.gate_up_proj.weight)), self.down_proj.weight)
+        return ops.linear(ops.gated_linear(x, self.gate_up_proj.weight), self.down_proj.weight)
 
 
 class DecoderLayer(nn.Module):

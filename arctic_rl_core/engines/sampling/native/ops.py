@@ -14,6 +14,39 @@ import torch.nn.functional as F
 MASK32 = 0xFFFFFFFF
 
 
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ weight.T + bias``: on CUDA, decode batches of a half-precision model take ``decode_linear``."""
+    tiles = _decode_tiles(x, weight.shape[0])
+    if tiles is None:
+        return F.linear(x, weight, bias)
+    from arctic_rl_core.engines.sampling.native import decode_linear, triton_ops
+
+    return decode_linear.decode_linear(x, weight, bias, tiles=tiles, pdl=triton_ops.pdl(x.device))
+
+
+def gated_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` of the fused gate/up projection ``x @ weight.T`` (gate rows first), in one kernel on CUDA."""
+    tiles = _decode_tiles(x, weight.shape[0] // 2, gated=True)
+    if tiles is None:
+        return silu_and_mul(F.linear(x, weight))
+    from arctic_rl_core.engines.sampling.native import decode_linear, triton_ops
+
+    return decode_linear.decode_linear(x, weight, gated=True, tiles=tiles, pdl=triton_ops.pdl(x.device))
+
+
+def _decode_tiles(x: torch.Tensor, n: int, gated: bool = False):
+    """``decode_linear``'s tiles for this call, or None for ``F.linear``.
+
+    float32 models keep cuBLAS, whose products match Hugging Face's; so do
+    batches too tall for a decode kernel.
+    """
+    if not x.is_cuda or x.dtype == torch.float32 or x.dim() != 2:
+        return None
+    from arctic_rl_core.engines.sampling.native import decode_linear
+
+    return decode_linear.pick_tiles(x.shape[0], n, x.shape[1], decode_linear.num_sms(x.device), gated)
+
+
 def rms_norm(
     x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,17 +1,47 @@
-"""Triton kernels of the model's fused operations (CUDA); ``ops`` holds their torch twins and dispatches here."""
+"""Triton kernels of the model's fused operations (CUDA); ``ops`` holds their torch twins and dispatches here.
+
+The layer kernels are launched as programmatic dependents of the kernel
+before them where the device has it (``pdl``): each waits for its
+predecessor's writes before reading anything, so a launch's start-up overlaps
+its predecessor's tail instead of following it.
+"""
 
 from __future__ import annotations
 
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+_PDL: dict[torch.device, bool] = {}
+
+
+def pdl(device: torch.device) -> bool:
+    """Whether kernels on ``device`` may be launched as programmatic dependents (griddepcontrol, Hopper on)."""
+    if device not in _PDL:
+        _PDL[device] = device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+    return _PDL[device]
+
+
+def _launch_options(device: torch.device) -> dict:
+    return {"USE_PDL": True, "launch_pdl": True} if pdl(device) else {"USE_PDL": False}
+
+
+@triton.jit
+def _wait_for_predecessor(USE_PDL: tl.constexpr):
+    """Under programmatic dependent launch: wait for the kernel before (its writes are our inputs), then let
+    the kernel after start its own launch."""
+    if USE_PDL:
+        gdc_wait()
+        gdc_launch_dependents()
 
 
 @triton.jit
 def _rms_norm_kernel(
     X, RES, W, OUT, RES_OUT, stride_x, stride_r, stride_o, stride_ro, n_cols, eps,
-    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
+    _wait_for_predecessor(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
@@ -38,6 +68,7 @@ def rms_norm(
     _rms_norm_kernel[(x.shape[0],)](
         x, res_in, weight, out, residual_out, x.stride(0), res_in.stride(0), out.stride(0), residual_out.stride(0),
         n_cols, eps, HAS_RESIDUAL=residual is not None, BLOCK=triton.next_power_of_2(n_cols), num_warps=4,
+        **_launch_options(x.device),
     )  # fmt: skip
     return out, residual_out
 
@@ -59,7 +90,9 @@ def _rotary_store_kernel(
     QKV, POS, COS, SIN, Q_NORM, K_NORM, Q_OUT, K_CACHE, V_CACHE, SLOTS,
     stride_qkv, stride_qt, stride_qh, stride_cos, stride_ks, stride_kh, eps,
     NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HAS_NORM: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):  # fmt: skip
+    _wait_for_predecessor(USE_PDL)
     token = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     half = tl.arange(0, HEAD_DIM // 2)
@@ -98,6 +131,7 @@ def rotary_and_store(qkv, positions, cos, sin, q_norm, k_norm, eps, k_cache, v_c
         qkv, positions, cos, sin, q_norm if has_norm else qkv, k_norm if has_norm else qkv, q, k_cache, v_cache, slots,
         qkv.stride(0), q.stride(0), q.stride(1), cos.stride(0), k_cache.stride(1), k_cache.stride(2), eps,
         NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, HAS_NORM=has_norm, num_warps=1,
+        **_launch_options(qkv.device),
     )  # fmt: skip
     return q
 

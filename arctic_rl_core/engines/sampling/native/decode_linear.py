@@ -1,0 +1,219 @@
+"""Linear layers of decode batches (CUDA): a few rows times a weight matrix, the weights read once at memory speed.
+
+A decode step multiplies a handful of token rows by every weight matrix, so
+its projections are reads of the weights, and their speed is how many bytes
+are in flight. cuBLAS tiles these shapes by the weight's output dimension
+only: a 1152×896 projection runs as 18 programs, a few percent of an H200's
+multiprocessors, and takes 4.5 µs for 2 MB (``benchmarks/decode_profile.py``).
+Here each program reads a ``block_n × K/split_k`` slice of the weight: the
+grid is sized to fill the device, splitting K where the output dimension alone
+is too narrow. The last program to finish an output tile sums the tile's
+K-slices in a fixed order, so results do not depend on timing.
+
+``gated=True`` computes a fused gate/up projection's ``silu(gate) * up``
+directly (gate rows ``[0, n)``, up rows ``[n, 2n)`` of the weight), so the
+intermediate activation never goes to memory at twice its size.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+MAX_ROWS = 64  # decode batches up to this many rows take this path; larger ones are matmuls cuBLAS tiles well
+# Weight bytes one launch may prefetch into L2 while the kernel before it runs: a third of an H200's L2, so
+# the prefetch does not evict what the running kernel still reads (a 7B layer's projections are 100-270 MB).
+PREFETCH_BYTES = 16 << 20
+
+
+@dataclass(frozen=True)
+class LinearTiles:
+    """A program reads ``block_n`` weight rows over ``K / split_k`` columns, ``block_k`` columns per step."""
+
+    block_n: int
+    block_k: int
+    split_k: int
+    warps: int = 4
+    stages: int = 4
+
+
+def pick_tiles(rows: int, n: int, k: int, num_sms: int, gated: bool = False) -> LinearTiles | None:
+    """Tiles for an ``n × k`` weight at ``rows`` rows, or None where cuBLAS is the better choice.
+
+    From ``benchmarks/decode_linear.py --sweep`` on an H200: 64-row weight
+    tiles, K split only while the grid is short of one wave and each split
+    keeps at least four 128-column steps (a long K, as in the down
+    projection); as many pipeline stages as fit in shared memory, up to four.
+    """
+    if rows > MAX_ROWS or k % 64 or n % 16:
+        return None
+    block_k = 128 if k % 128 == 0 else 64
+    block_n = 64 if n % 64 == 0 else 16
+    tiles_n = triton.cdiv(n, block_n)
+    steps = k // block_k
+    split_k = 1
+    while tiles_n * split_k < num_sms and steps // (2 * split_k) >= 4:
+        split_k *= 2
+    stage_bytes = ((2 if gated else 1) * block_n + max(16, triton.next_power_of_2(rows))) * block_k * 2
+    return LinearTiles(block_n, block_k, split_k, stages=max(1, min(4, (200 << 10) // stage_bytes)))
+
+
+@triton.jit
+def _rows_times_slice(X, W, row, col, k_lo, k_hi, stride_x, stride_w, acc,
+                      BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):  # fmt: skip
+    """``acc += W[col, k] @ X[row, k]^T`` over ``k`` in ``[k_lo, k_hi)``: acc is ``[block_n, block_m]``."""
+    ks = tl.arange(0, BLOCK_K)
+    for k0 in range(k_lo, k_hi, BLOCK_K):
+        w = tl.load(W + col[:, None] * stride_w + (k0 + ks)[None, :])
+        x = tl.load(X + row[:, None] * stride_x + (k0 + ks)[None, :])
+        acc = tl.dot(w, tl.trans(x), acc, input_precision=PRECISION)
+    return acc
+
+
+@triton.jit
+def _prefetch_to_l2(W, col, k_lo, k_hi, stride_w, BLOCK_N: tl.constexpr, LINES: tl.constexpr):
+    """Ask L2 for ``W[col, k_lo:k_hi]``, one request per 128-byte line (64 bf16), without waiting for it."""
+    for k0 in range(k_lo, k_hi, 64 * LINES):
+        ks = tl.minimum(k0 + tl.arange(0, LINES) * 64, k_hi - 1)
+        address = (W + col[:, None] * stride_w + ks[None, :]).to(tl.int64, bitcast=True)
+        tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [address], dtype=tl.int32,
+                                  is_pure=False, pack=1)  # fmt: skip
+
+
+@triton.jit
+def _decode_linear_kernel(
+    X, W, BIAS, Y, PARTIAL, COUNTERS, rows, n, k_per_split, K, prefetch_k, stride_x, stride_w, stride_y,
+    HAS_BIAS: tl.constexpr, GATED: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, USE_PDL: tl.constexpr,
+):  # fmt: skip
+    """One ``[BLOCK_N, rows]`` output tile over one K-slice; with ``SPLIT_K > 1`` the tile's last slice finishes it.
+
+    Rows past ``rows`` read row 0 (in bounds, never stored); weight rows past
+    ``n`` read row 0 of the weight likewise.
+    """
+    tile = tl.program_id(0)
+    split = tl.program_id(1)
+    col = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+    row = tl.arange(0, BLOCK_M)
+    col_ok = col < n
+    row_ok = row < rows
+    w_col = tl.where(col_ok, col, 0).to(tl.int64)
+    x_row = tl.where(row_ok, row, 0)
+    k_lo = split * k_per_split
+    k_hi = tl.minimum(K, k_lo + k_per_split)
+    if USE_PDL:
+        # Launched while the kernel before runs (programmatic dependent launch): the weights do not depend
+        # on it, so start the first ``prefetch_k`` columns of ours towards L2, then wait for its output (x).
+        k_ahead = tl.minimum(k_hi, k_lo + prefetch_k)
+        _prefetch_to_l2(W, w_col, k_lo, k_ahead, stride_w, BLOCK_N, 8)
+        if GATED:
+            _prefetch_to_l2(W, w_col + n, k_lo, k_ahead, stride_w, BLOCK_N, 8)
+        gdc_wait()
+        gdc_launch_dependents()
+    acc = _rows_times_slice(X, W, x_row, w_col, k_lo, k_hi, stride_x, stride_w,
+                            tl.zeros([BLOCK_N, BLOCK_M], tl.float32), BLOCK_K, PRECISION)  # fmt: skip
+    if GATED:
+        up = _rows_times_slice(X, W, x_row, w_col + n, k_lo, k_hi, stride_x, stride_w,
+                               tl.zeros([BLOCK_N, BLOCK_M], tl.float32), BLOCK_K, PRECISION)  # fmt: skip
+    else:
+        up = acc  # unused
+
+    finish = True
+    if SPLIT_K > 1:
+        # Park this slice's sums; the tile's last slice to arrive adds all of them, in slice order.
+        tile_offsets = tl.arange(0, BLOCK_N)[:, None] * BLOCK_M + row[None, :]
+        base = PARTIAL + (tile * SPLIT_K + split).to(tl.int64) * (2 * BLOCK_N * BLOCK_M)
+        tl.store(base + tile_offsets, acc)
+        if GATED:
+            tl.store(base + BLOCK_N * BLOCK_M + tile_offsets, up)
+        tl.debug_barrier()  # every thread's sums are written before the release below publishes them
+        arrived = tl.atomic_add(COUNTERS + tile, 1, sem="acq_rel", scope="gpu")
+        finish = arrived == SPLIT_K - 1
+        if finish:
+            acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+            up = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+            for s in range(SPLIT_K):
+                part = PARTIAL + (tile * SPLIT_K + s).to(tl.int64) * (2 * BLOCK_N * BLOCK_M)
+                acc += tl.load(part + tile_offsets, cache_modifier=".cg")
+                if GATED:
+                    up += tl.load(part + BLOCK_N * BLOCK_M + tile_offsets, cache_modifier=".cg")
+            tl.store(COUNTERS + tile, 0)  # ready for the next launch (kernels on one stream run in order)
+
+    if finish:
+        dtype = Y.dtype.element_ty
+        if HAS_BIAS:
+            acc += tl.load(BIAS + w_col).to(tl.float32)[:, None]
+        # Round where the unfused layers round: the projection's output, then the activation.
+        out = acc.to(dtype)
+        if GATED:
+            gate = out.to(tl.float32)
+            act = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
+            out = (act * up.to(dtype).to(tl.float32)).to(dtype)
+        tl.store(Y + row[None, :] * stride_y + col[:, None], out, mask=row_ok[None, :] & col_ok[:, None])
+
+
+_COUNTERS: dict[torch.device, torch.Tensor] = {}
+_NUM_SMS: dict[torch.device, int] = {}
+
+
+def _counters(device: torch.device, tiles: int) -> torch.Tensor:
+    """Arrival counters, one per output tile, zero between launches (each launch leaves them zero)."""
+    buf = _COUNTERS.get(device)
+    if buf is None or buf.numel() < tiles:
+        buf = _COUNTERS[device] = torch.zeros(max(tiles, 4096), dtype=torch.int32, device=device)
+    return buf
+
+
+def num_sms(device: torch.device) -> int:
+    if device not in _NUM_SMS:
+        _NUM_SMS[device] = torch.cuda.get_device_properties(device).multi_processor_count
+    return _NUM_SMS[device]
+
+
+def decode_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    gated: bool = False,
+    tiles: LinearTiles | None = None,
+    pdl: bool = False,
+) -> torch.Tensor:
+    """``x @ weight.T + bias`` (or, ``gated``, ``silu(gate) * up`` of it) for ``x`` of at most ``MAX_ROWS`` rows.
+
+    ``tiles`` defaults to ``pick_tiles`` for the shape; a shape it declines raises. ``pdl`` launches the
+    kernel as a programmatic dependent of the one before (Hopper on): it prefetches its weights while
+    that kernel finishes.
+    """
+    rows, k = x.shape
+    n = weight.shape[0] // 2 if gated else weight.shape[0]
+    if tiles is None:
+        tiles = pick_tiles(rows, n, k, num_sms(x.device) if x.is_cuda else 132, gated)
+        if tiles is None:
+            raise ValueError(f"decode_linear has no tiles for {rows} rows of a {n}x{k} weight; use F.linear")
+    if x.stride(1) != 1 or weight.stride(1) != 1:
+        raise ValueError("decode_linear needs x and weight contiguous along K")
+    block_m = max(16, triton.next_power_of_2(rows))
+    tiles_n = triton.cdiv(n, tiles.block_n)
+    steps = k // tiles.block_k
+    k_per_split = triton.cdiv(steps, tiles.split_k) * tiles.block_k
+    split_k = triton.cdiv(k, k_per_split)  # no empty slices
+    y = torch.empty(rows, n, dtype=x.dtype, device=x.device)
+    weight_rows = tiles_n * split_k * tiles.block_n * (2 if gated else 1)
+    prefetch_k = min(k_per_split, PREFETCH_BYTES // (weight_rows * weight.element_size()) // 64 * 64)
+    if split_k > 1:
+        partial = torch.empty(tiles_n * split_k * 2 * tiles.block_n * block_m, dtype=torch.float32, device=x.device)
+        counters = _counters(x.device, tiles_n)
+    else:
+        partial = counters = y
+    _decode_linear_kernel[(tiles_n, split_k)](
+        x, weight, bias if bias is not None else weight, y, partial, counters, rows, n, k_per_split, k, prefetch_k,
+        x.stride(0), weight.stride(0), y.stride(0),
+        HAS_BIAS=bias is not None, GATED=gated, SPLIT_K=split_k, BLOCK_M=block_m, BLOCK_N=tiles.block_n,
+        BLOCK_K=tiles.block_k, PRECISION="ieee" if x.dtype == torch.float32 else "tf32", USE_PDL=pdl,
+        num_warps=tiles.warps, num_stages=tiles.stages, **({"launch_pdl": True} if pdl else {}),
+    )  # fmt: skip
+    return y

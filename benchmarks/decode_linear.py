@@ -1,0 +1,176 @@
+"""Decode-batch projections: our split-K Triton kernel vs cuBLAS (``F.linear``) on the same weights, one GPU.
+
+    python benchmarks/decode_linear.py [--sweep]
+
+For each projection of a Qwen2-0.5B and a Qwen2.5-7B decoder layer, at 1, 16
+and 64 rows, prints microseconds per call and the weight bytes moved per
+second, with the weights cold in L2 as in a real step (each call reads one of
+several copies, more than L2 holds together, replayed from a CUDA graph). The
+gate/up row compares the fused ``silu(gate) * up`` kernel with cuBLAS plus the
+engine's activation kernel. ``--sweep`` also times other tile shapes, which is
+how ``pick_tiles`` was chosen.
+
+The chain rows run a decoder layer's four projections back to back, each
+feeding the next, over every layer's own weights: cuBLAS (with the separate
+activation kernel), ours, and ours launched as programmatic dependents, which
+prefetch their weights into L2 while the kernel before them finishes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+
+import torch
+import torch.nn.functional as F
+
+from arctic_rl_core.engines.sampling.native import triton_ops
+from arctic_rl_core.engines.sampling.native.decode_linear import LinearTiles, decode_linear, num_sms, pick_tiles
+
+# (model, projection, output features, input features, gated)
+SHAPES = (
+    ("qwen2-0.5b", "qkv", 1152, 896, False),
+    ("qwen2-0.5b", "o", 896, 896, False),
+    ("qwen2-0.5b", "gate_up", 4864, 896, True),
+    ("qwen2-0.5b", "down", 896, 4864, False),
+    ("qwen2.5-7b", "qkv", 4608, 3584, False),
+    ("qwen2.5-7b", "o", 3584, 3584, False),
+    ("qwen2.5-7b", "gate_up", 18944, 3584, True),
+    ("qwen2.5-7b", "down", 3584, 18944, False),
+)
+ROWS = (1, 16, 64)
+COLD_BYTES = 512 << 20  # several times an H200's 50 MB of L2
+
+
+def graph_us(fn, calls: int, replays: int = 20) -> float:
+    """Median microseconds per ``fn(i)``, ``i`` over ``range(calls)``, replayed from one CUDA graph."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for i in range(calls):
+            fn(i)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(calls):
+            fn(i)
+    times = []
+    for _ in range(replays):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / calls)
+    return sorted(times)[replays // 2]
+
+
+def chain(model: str, rows: int, layers: int) -> None:
+    """A layer's projections back to back over ``layers`` layers' weights: microseconds per layer, three ways."""
+    device = torch.device("cuda")
+    shapes = {name: (n, k, gated) for m, name, n, k, gated in SHAPES if m == model}
+    weights = [{name: torch.randn((2 * n if gated else n), k, device=device, dtype=torch.bfloat16) * 0.02
+                for name, (n, k, gated) in shapes.items()} for _ in range(layers)]  # fmt: skip
+    hidden = shapes["o"][0]
+    x0 = torch.randn(rows, hidden, device=device, dtype=torch.bfloat16)
+    layer_bytes = sum(w.numel() * 2 for w in weights[0].values())
+
+    def run(mode: str):
+        def step(i):
+            w = weights[i]
+            if mode == "cublas":
+                qkv = F.linear(x0, w["qkv"])
+                o = F.linear(qkv[:, :hidden], w["o"])
+                act = triton_ops.silu_and_mul(F.linear(o, w["gate_up"]))
+                return F.linear(act, w["down"])
+            pdl = mode == "ours+pdl"
+            qkv = decode_linear(x0, w["qkv"], pdl=pdl)
+            o = decode_linear(qkv[:, :hidden], w["o"], pdl=pdl)
+            act = decode_linear(o, w["gate_up"], gated=True, pdl=pdl)
+            return decode_linear(act, w["down"], pdl=pdl)
+
+        return step
+
+    results = {mode: graph_us(run(mode), layers) for mode in ("cublas", "ours", "ours+pdl")}
+    outs = {mode: run(mode)(0).float() for mode in results}
+    diff = max((outs[m] - outs["cublas"]).abs().max().item() for m in outs)
+    base = results["cublas"]
+    print(f"{model:10s} chain of 4 projections, rows {rows:2d}, {layers} layers | "
+          + " | ".join(f"{m} {us:6.1f} us ({base / us:4.2f}x)" for m, us in results.items())
+          + f" | weights {layer_bytes / 1e6:.1f} MB/layer: {layer_bytes / results['ours+pdl'] / 1e6:.2f} TB/s with pdl"
+          + f" | max |diff| {diff:.1e}", flush=True)  # fmt: skip
+
+
+def sweep_tiles(rows: int, n: int, k: int) -> list[LinearTiles]:
+    out = []
+    for block_n in (16, 32, 64):
+        for split_k in (1, 2, 4, 8):
+            for stages in (3, 5):
+                if k // 128 >= split_k:
+                    out.append(LinearTiles(block_n, 128, split_k, 4, stages))
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sweep", action="store_true", help="also time other tile shapes")
+    parser.add_argument("--model", default=None, help="only this model's shapes")
+    parser.add_argument("--chain-only", action="store_true", help="only the back-to-back projection chains")
+    args = parser.parse_args()
+    device = torch.device("cuda")
+    sms = num_sms(device)
+    print(f"device: {torch.cuda.get_device_name()}, {sms} SMs; bf16; weights cold in L2")
+    for model, layers in (("qwen2-0.5b", 24), ("qwen2.5-7b", 4)):
+        if not args.model or model == args.model:
+            for rows in ROWS:
+                chain(model, rows, layers)
+    for model, name, n, k, gated in SHAPES:
+        if args.chain_only or args.model and model != args.model:
+            continue
+        rows_out = 2 * n if gated else n
+        copies = max(2, -(-COLD_BYTES // (rows_out * k * 2)))
+        weights = [torch.randn(rows_out, k, device=device, dtype=torch.bfloat16) * 0.02 for _ in range(copies)]
+        bias = torch.randn(n, device=device, dtype=torch.bfloat16) if name == "qkv" else None
+        gbytes = rows_out * k * 2 / 1e9
+        for rows in ROWS:
+            x = torch.randn(rows, k, device=device, dtype=torch.bfloat16)
+            if gated:
+
+                def cublas(i, x=x):
+                    return triton_ops.silu_and_mul(F.linear(x, weights[i]))
+            else:
+
+                def cublas(i, x=x):
+                    return F.linear(x, weights[i], bias)
+
+            reference = cublas(0).float()
+            tiles = pick_tiles(rows, n, k, sms, gated)
+            base = graph_us(cublas, copies)
+            line = f"{model:10s} {name:7s} {n:5d}x{k:5d} rows {rows:2d} | cuBLAS {base:7.1f} us {gbytes / base * 1e3:5.2f} TB/s"
+            candidates = [tiles] if tiles else []
+            if args.sweep:
+                candidates += [t for t in sweep_tiles(rows, n, k) if t != tiles]
+            results = []
+            for t in candidates:
+
+                def ours(i, x=x, t=t):
+                    return decode_linear(x, weights[i], bias, gated=gated, tiles=t)
+
+                err = (ours(0).float() - reference).abs().max().item()
+                results.append((graph_us(ours, copies), t, err))
+            if tiles:
+                us, _, err = results[0]
+                line += (f" | ours {us:7.1f} us {gbytes / us * 1e3:5.2f} TB/s ({base / us:4.2f}x) "
+                         f"bn {tiles.block_n} split {tiles.split_k} |diff| {err:.1e}")  # fmt: skip
+            else:
+                line += " | ours: declined (cuBLAS)"
+            print(line, flush=True)
+            if args.sweep and results:
+                best = sorted(results, key=lambda r: r[0])[:3]
+                print(
+                    "    best: " + "; ".join(f"{us:.1f} us {dataclasses.astuple(t)}" for us, t, _ in best), flush=True
+                )
+
+
+if __name__ == "__main__":
+    main()

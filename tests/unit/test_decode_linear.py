@@ -1,0 +1,105 @@
+"""``decode_linear``, run by Triton's interpreter on CPU, equals ``F.linear`` (and ``silu(gate) * up`` of it).
+
+The kernel checks run in a fresh Python with ``TRITON_INTERPRET=1``
+(``tests.triton_interpreter``); each test reads its result. The tile policy
+is plain Python and is tested here directly.
+"""
+
+import importlib
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from arctic_rl_core.engines.sampling.native import ops
+from arctic_rl_core.engines.sampling.native.decode_linear import MAX_ROWS, LinearTiles, pick_tiles
+from tests.triton_interpreter import report, run_interpreted
+
+
+def _module():
+    return importlib.import_module("arctic_rl_core.engines.sampling.native.decode_linear")
+
+
+def _expected(x, weight, bias, gated):
+    out = F.linear(x, weight, bias)
+    return ops.silu_and_mul(out) if gated else out
+
+
+def check_equals_f_linear(gated: bool, split_k: int, with_bias: bool):
+    decode_linear = _module().decode_linear
+    g = torch.Generator().manual_seed(split_k + 2 * gated)
+    n, k = 48, 512
+    weight = torch.randn(2 * n if gated else n, k, generator=g)
+    bias = torch.randn(n, generator=g) if with_bias else None
+    tiles = LinearTiles(block_n=16, block_k=128, split_k=split_k)
+    for rows in (1, 5, 16, 33):
+        x = torch.randn(rows, k, generator=g)
+        # Twice: a split-K launch must leave its arrival counters ready for the next one.
+        for _ in range(2):
+            actual = decode_linear(x, weight, bias, gated=gated, tiles=tiles)
+            torch.testing.assert_close(actual, _expected(x, weight, bias, gated), rtol=1e-4, atol=1e-4)
+
+
+def check_split_k_with_uneven_slices_and_ragged_output_tiles():
+    """K of 5 steps in 2 slices (3 + 2) and n = 40 over tiles of 16 (the last tile partly outside)."""
+    decode_linear = _module().decode_linear
+    g = torch.Generator().manual_seed(7)
+    x, weight = torch.randn(3, 320, generator=g), torch.randn(40, 320, generator=g)
+    actual = decode_linear(x, weight, tiles=LinearTiles(block_n=16, block_k=64, split_k=2))
+    torch.testing.assert_close(actual, F.linear(x, weight), rtol=1e-4, atol=1e-4)
+
+
+CHECKS = {
+    "plain": (check_equals_f_linear, (False, 1, False)),
+    "bias": (check_equals_f_linear, (False, 1, True)),
+    "split_k": (check_equals_f_linear, (False, 4, True)),
+    "gated": (check_equals_f_linear, (True, 1, False)),
+    "gated_split_k": (check_equals_f_linear, (True, 2, False)),
+    "uneven_split": (check_split_k_with_uneven_slices_and_ragged_output_tiles, ()),
+}
+
+
+@pytest.fixture(scope="module")
+def interpreted():
+    return run_interpreted(__file__)
+
+
+@pytest.mark.parametrize("name", CHECKS)
+def test_kernel_under_the_interpreter(interpreted, name):
+    assert interpreted[name] == "ok", interpreted[name]
+
+
+def test_tiles_split_a_long_k_until_the_grid_fills_the_device():
+    # Qwen2-0.5B's down projection at 16 rows: 14 output tiles, 38 steps of K.
+    down = pick_tiles(16, 896, 4864, num_sms=132)
+    assert (down.block_n, down.split_k) == (64, 8)
+    # Its gate/up projection already spans 76 tiles of 7 steps: splitting would leave slices of one step.
+    assert pick_tiles(16, 4864, 896, num_sms=132, gated=True).split_k == 1
+
+
+def test_tiles_keep_the_pipeline_within_shared_memory():
+    for rows in (1, 16, 64):
+        for gated in (False, True):
+            tiles = pick_tiles(rows, 4864, 896, num_sms=132, gated=gated)
+            stage = ((2 if gated else 1) * tiles.block_n + max(16, rows)) * tiles.block_k * 2
+            assert 1 <= tiles.stages <= 4 and tiles.stages * stage <= 200 << 10
+
+
+def test_shapes_the_kernel_does_not_take_are_left_to_cublas():
+    assert pick_tiles(MAX_ROWS + 1, 896, 896, num_sms=132) is None  # a prefill-sized batch
+    assert pick_tiles(16, 896, 900, num_sms=132) is None  # K not a multiple of 64
+    assert pick_tiles(16, 900, 896, num_sms=132) is None  # n not a multiple of 16
+    with pytest.raises(ValueError, match="no tiles for 65 rows"):
+        _module().decode_linear(torch.zeros(65, 896), torch.zeros(896, 896))
+
+
+def test_cpu_and_float32_calls_go_to_torch():
+    """``ops.linear`` only takes the kernel for half-precision CUDA batches; elsewhere it is ``F.linear`` exactly."""
+    g = torch.Generator().manual_seed(3)
+    x, weight, bias = torch.randn(4, 128, generator=g), torch.randn(64, 128, generator=g), torch.randn(64, generator=g)
+    assert torch.equal(ops.linear(x, weight, bias), F.linear(x, weight, bias))
+    assert torch.equal(ops.gated_linear(x, weight), ops.silu_and_mul(F.linear(x, weight)))
+
+
+if __name__ == "__main__":
+    report(CHECKS)
