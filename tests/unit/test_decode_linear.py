@@ -89,6 +89,10 @@ def test_shapes_the_kernel_does_not_take_are_left_to_cublas():
     assert pick_tiles(MAX_ROWS + 1, 896, 896, num_sms=132) is None  # a prefill-sized batch
     assert pick_tiles(16, 896, 900, num_sms=132) is None  # K not a multiple of 64
     assert pick_tiles(16, 900, 896, num_sms=132) is None  # n not a multiple of 16
+    # Past 16 rows, large weights (Qwen2.5-7B's gate/up, 271 MB) go to cuBLAS, small ones (Qwen2-0.5B's) do not.
+    assert pick_tiles(64, 18944, 3584, num_sms=132, gated=True) is None
+    assert pick_tiles(16, 18944, 3584, num_sms=132, gated=True) is not None
+    assert pick_tiles(64, 4864, 896, num_sms=132, gated=True) is not None
     with pytest.raises(ValueError, match="no tiles for 65 rows"):
         _module().decode_linear(torch.zeros(65, 896), torch.zeros(896, 896))
 
