@@ -23,6 +23,7 @@ import dataclasses
 
 import torch
 import torch.nn.functional as F
+from fca import graph_us
 
 from arctic_rl_core.engines.sampling.native import triton_ops
 from arctic_rl_core.engines.sampling.native.decode_linear import LinearTiles, decode_linear, num_sms, pick_tiles
@@ -40,29 +41,6 @@ SHAPES = (
 )
 ROWS = (1, 16, 64)
 COLD_BYTES = 512 << 20  # several times an H200's 50 MB of L2
-
-
-def graph_us(fn, calls: int, replays: int = 20) -> float:
-    """Median microseconds per ``fn(i)``, ``i`` over ``range(calls)``, replayed from one CUDA graph."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for i in range(calls):
-            fn(i)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(calls):
-            fn(i)
-    times = []
-    for _ in range(replays):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / calls)
-    return sorted(times)[replays // 2]
 
 
 def chain(model: str, rows: int, layers: int) -> None:
@@ -91,7 +69,7 @@ def chain(model: str, rows: int, layers: int) -> None:
 
         return step
 
-    results = {mode: graph_us(run(mode), layers) for mode in ("cublas", "ours", "ours+pdl")}
+    results = {mode: graph_us(run(mode), layers, replays=20) for mode in ("cublas", "ours", "ours+pdl")}
     outs = {mode: run(mode)(0).float() for mode in results}
     diff = max((outs[m] - outs["cublas"]).abs().max().item() for m in outs)
     base = results["cublas"]
@@ -145,7 +123,7 @@ def main() -> None:
 
             reference = cublas(0).float()
             tiles = pick_tiles(rows, n, k, sms, gated)
-            base = graph_us(cublas, copies)
+            base = graph_us(cublas, copies, replays=20)
             line = f"{model:10s} {name:7s} {n:5d}x{k:5d} rows {rows:2d} | cuBLAS {base:7.1f} us {gbytes / base * 1e3:5.2f} TB/s"
             candidates = [tiles] if tiles else []
             if args.sweep:
@@ -157,7 +135,7 @@ def main() -> None:
                     return decode_linear(x, weights[i], bias, gated=gated, tiles=t)
 
                 err = (ours(0).float() - reference).abs().max().item()
-                results.append((graph_us(ours, copies), t, err))
+                results.append((graph_us(ours, copies, replays=20), t, err))
             if tiles:
                 us, _, err = results[0]
                 line += (f" | ours {us:7.1f} us {gbytes / us * 1e3:5.2f} TB/s ({base / us:4.2f}x) "
