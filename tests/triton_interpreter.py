@@ -3,7 +3,8 @@
 Triton picks interpreter or compiler when it is first imported, so a test
 module's checks run in a fresh Python with ``TRITON_INTERPRET=1``: the module
 runs as a script, its ``__main__`` calls ``report(CHECKS)``, and each test reads
-its check's result from ``run_interpreted(__file__)``.
+its check's result from ``run_interpreted(__file__)`` (``check_test`` makes
+one test case per check of it).
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ import sys
 import traceback
 from collections.abc import Callable, Mapping
 from pathlib import Path
+
+import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -43,3 +46,19 @@ def report(checks: Checks) -> None:
         except Exception:  # a failed check is reported by its test, with its traceback
             results[name] = traceback.format_exc()
     print(json.dumps(results))
+
+
+def check_test(script: str, checks: Checks):
+    """A test with one case per check of ``script``, all run once, in one interpreted Python, on first use.
+
+    Assign it to a ``test_`` name in the module: ``test_x = check_test(__file__, CHECKS)``.
+    """
+    results: dict[str, str] = {}
+
+    @pytest.mark.parametrize("name", list(checks))
+    def test(name):
+        if not results:
+            results.update(run_interpreted(script))
+        assert results[name] == "ok", results[name]
+
+    return test

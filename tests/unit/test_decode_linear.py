@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from arctic_rl_core.engines.sampling.native import ops
 from arctic_rl_core.engines.sampling.native.decode_linear import MAX_ROWS, LinearTiles, pick_tiles
-from tests.triton_interpreter import report, run_interpreted
+from tests.triton_interpreter import check_test, report
 
 
 def _module():
@@ -59,14 +59,7 @@ CHECKS = {
 }
 
 
-@pytest.fixture(scope="module")
-def interpreted():
-    return run_interpreted(__file__)
-
-
-@pytest.mark.parametrize("name", CHECKS)
-def test_kernel_under_the_interpreter(interpreted, name):
-    assert interpreted[name] == "ok", interpreted[name]
+test_kernel_under_the_interpreter = check_test(__file__, CHECKS)
 
 
 def test_tiles_split_a_long_k_until_the_grid_fills_the_device():

@@ -8,13 +8,12 @@ The checks run in a fresh Python with ``TRITON_INTERPRET=1``
 
 import importlib
 
-import pytest
 import torch
 
 from arctic_rl_core.zorro.attention.forest import PrefixForest, build_forest
 from arctic_rl_core.zorro.attention.plan import TileShape, plan_decode, plan_prefill
 from arctic_rl_core.zorro.attention.reference import paged_decode_attention, paged_prefill_attention
-from tests.triton_interpreter import report, run_interpreted
+from tests.triton_interpreter import check_test, report
 
 BS, HKV, D = 4, 2, 16
 SCALE = D**-0.5
@@ -128,14 +127,7 @@ CHECKS = {
 }
 
 
-@pytest.fixture(scope="module")
-def interpreted():
-    return run_interpreted(__file__)
-
-
-@pytest.mark.parametrize("name", CHECKS)
-def test_kernel_under_the_interpreter(interpreted, name):
-    assert interpreted[name] == "ok", interpreted[name]
+test_kernel_under_the_interpreter = check_test(__file__, CHECKS)
 
 
 if __name__ == "__main__":

@@ -6,11 +6,10 @@ The checks run in a fresh Python with ``TRITON_INTERPRET=1``
 
 import importlib
 
-import pytest
 import torch
 
 from arctic_rl_core.engines.sampling.native import ops
-from tests.triton_interpreter import report, run_interpreted
+from tests.triton_interpreter import check_test, report
 
 
 def _kernels():
@@ -78,14 +77,7 @@ CHECKS = {
 }
 
 
-@pytest.fixture(scope="module")
-def interpreted():
-    return run_interpreted(__file__)
-
-
-@pytest.mark.parametrize("name", CHECKS)
-def test_kernel_under_the_interpreter(interpreted, name):
-    assert interpreted[name] == "ok", interpreted[name]
+test_kernel_under_the_interpreter = check_test(__file__, CHECKS)
 
 
 if __name__ == "__main__":

@@ -20,7 +20,7 @@ from arctic_rl_core.processors import (
     post,
     resolve_post,
 )
-from tests.triton_interpreter import report, run_interpreted
+from tests.triton_interpreter import check_test, report
 
 # softmax([0, ln 2, ln 3]) = [1/6, 2/6, 3/6]
 ROW = [0.0, math.log(2.0), math.log(3.0)]
@@ -313,14 +313,7 @@ KERNEL_CHECKS = {
 }  # fmt: skip
 
 
-@pytest.fixture(scope="module")
-def interpreted():
-    return run_interpreted(__file__)
-
-
-@pytest.mark.parametrize("name", KERNEL_CHECKS)
-def test_fused_kernel_under_the_interpreter_equals_the_torch_path(interpreted, name):
-    assert interpreted[name] == "ok", interpreted[name]
+test_fused_kernel_under_the_interpreter_equals_the_torch_path = check_test(__file__, KERNEL_CHECKS)
 
 
 @pytest.mark.parametrize(
