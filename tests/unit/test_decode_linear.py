@@ -6,6 +6,7 @@ is plain Python and is tested here directly.
 """
 
 import importlib
+import threading
 
 import pytest
 import torch
@@ -88,6 +89,21 @@ def test_shapes_the_kernel_does_not_take_are_left_to_cublas():
     assert pick_tiles(64, 4864, 896, num_sms=132, gated=True) is not None
     with pytest.raises(ValueError, match="no tiles for 65 rows"):
         _module().decode_linear(torch.zeros(65, 896), torch.zeros(896, 896))
+
+
+def test_split_k_counters_are_one_set_per_thread_and_never_replaced():
+    """Engines on two threads must not share arrival counters; graphs keep the address of theirs."""
+    module = _module()
+    cpu = torch.device("cpu")
+    mine = module._counters(cpu, 8)
+    assert module._counters(cpu, module.COUNTER_CAPACITY) is mine
+    theirs = []
+    worker = threading.Thread(target=lambda: theirs.append(module._counters(cpu, 8)))
+    worker.start()
+    worker.join()
+    assert theirs[0] is not mine and theirs[0].data_ptr() != mine.data_ptr()
+    with pytest.raises(ValueError, match="output tiles in one split-K launch"):
+        module._counters(cpu, module.COUNTER_CAPACITY + 1)
 
 
 def test_cpu_and_float32_calls_go_to_torch():

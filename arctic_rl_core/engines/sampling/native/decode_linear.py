@@ -17,6 +17,7 @@ intermediate activation never goes to memory at twice its size.
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -162,16 +163,24 @@ def _decode_linear_kernel(
         tl.store(Y + row[None, :] * stride_y + col[:, None], out, mask=row_ok[None, :] & col_ok[:, None])
 
 
-_COUNTERS: dict[torch.device, torch.Tensor] = {}
+_COUNTERS: dict[tuple[torch.device, int], torch.Tensor] = {}
 _NUM_SMS: dict[torch.device, int] = {}
+COUNTER_CAPACITY = 1 << 14  # output tiles of one split-K launch, at most
 
 
 def _counters(device: torch.device, tiles: int) -> torch.Tensor:
-    """Arrival counters, one per output tile, zero between launches (each launch leaves them zero)."""
-    buf = _COUNTERS.get(device)
-    if buf is None or buf.numel() < tiles:
-        buf = _COUNTERS[device] = torch.zeros(max(tiles, 4096), dtype=torch.int32, device=device)
-    return buf
+    """Arrival counters, one per output tile, zero between launches (each launch leaves them zero).
+
+    One set per device and thread: an engine launches its steps from one thread, one after another,
+    so its split-K launches never run at once; an engine on another thread has its own set. CUDA
+    graphs keep the address of the set they were captured with, so a set is never replaced.
+    """
+    if tiles > COUNTER_CAPACITY:
+        raise ValueError(f"decode_linear: {tiles} output tiles in one split-K launch; at most {COUNTER_CAPACITY}")
+    key = (device, threading.get_ident())
+    if key not in _COUNTERS:
+        _COUNTERS[key] = torch.zeros(COUNTER_CAPACITY, dtype=torch.int32, device=device)
+    return _COUNTERS[key]
 
 
 def num_sms(device: torch.device) -> int:
