@@ -13,6 +13,13 @@ K-slices in a fixed order, so results do not depend on timing.
 ``gated=True`` computes a fused gate/up projection's ``silu(gate) * up``
 directly (gate rows ``[0, n)``, up rows ``[n, 2n)`` of the weight), so the
 intermediate activation never goes to memory at twice its size.
+
+Most of the gain comes from ``pdl=True`` (Hopper on): launched as a
+programmatic dependent of the kernel before it, a program asks L2 for its
+first weights while that kernel finishes, and waits for it only before
+reading its input. A Qwen2-0.5B layer's four projections at 16 rows take
+19.7 µs that way, 22.3 µs launched plainly and 25.9 µs with cuBLAS
+(``benchmarks/decode_linear.py --chain-only``, H200).
 """
 
 from __future__ import annotations
