@@ -155,7 +155,7 @@ def _decode_linear_kernel(
                 acc += tl.load(part + tile_offsets, cache_modifier=".cg")
                 if GATED:
                     up += tl.load(part + BLOCK_N * BLOCK_M + tile_offsets, cache_modifier=".cg")
-            tl.store(COUNTERS + tile, 0)  # ready for the next launch (kernels on one stream run in order)
+            tl.store(COUNTERS + tile, 0)  # ready for the next launch, which reads them only once we are done
 
     if finish:
         dtype = Y.dtype.element_ty
