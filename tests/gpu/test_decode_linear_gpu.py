@@ -7,6 +7,7 @@ import torch.nn.functional as F
 
 from arctic_rl_core.engines.sampling.native import ops, triton_ops
 from arctic_rl_core.engines.sampling.native.decode_linear import decode_linear
+from arctic_rl_core.zorro.attention.triton_attention import supports_pdl
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -38,7 +39,7 @@ def test_bfloat16_results_match_cublas_within_rounding(rows, shape):
 
 
 def test_programmatic_dependent_chain_in_a_cuda_graph_equals_sequential_launches():
-    if not triton_ops.pdl(torch.device("cuda")):
+    if not supports_pdl(torch.device("cuda")):
         pytest.skip("programmatic dependent launch needs compute capability 9.0")
     layers = 8
     weights = [[_weight(*shape, seed=4 * i + j) for j, shape in enumerate((QKV, O_PROJ, GATE_UP, DOWN))]

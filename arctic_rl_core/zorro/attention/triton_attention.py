@@ -27,6 +27,15 @@ from arctic_rl_core.zorro.attention.plan import ITEM_FIELDS, AttentionPlan, Tile
 
 LOG2E = 1.4426950408889634
 
+_PDL: dict[torch.device, bool] = {}
+
+
+def supports_pdl(device: torch.device) -> bool:
+    """Whether kernels on ``device`` may be launched as programmatic dependents (griddepcontrol, Hopper on)."""
+    if device not in _PDL:
+        _PDL[device] = device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+    return _PDL[device]
+
 
 @triton.jit
 def _block_ids(table, kv0, kv_end, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr):
@@ -329,8 +338,7 @@ def paged_attention(
     if k_cache.stride(3) != 1 or q.stride(2) != 1 or out.stride(2) != 1:
         raise ValueError("paged_attention needs the head dimension contiguous in q, out and the caches")
     warps = tiles.wide_warps if wide else 4
-    # Programmatic dependent launch (griddepcontrol) exists from Hopper on.
-    use_pdl = q.is_cuda and tiles.pdl and torch.cuda.get_device_capability(q.device)[0] >= 9
+    use_pdl = tiles.pdl and supports_pdl(q.device)
     args = (
         q, k_cache, v_cache, out, workspace.partial_out, workspace.partial_lse, block_tables, plan.wide_items,
         plan.narrow_items, plan.counts, plan.query_index, query_positions, scale * LOG2E,

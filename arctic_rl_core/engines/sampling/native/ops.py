@@ -19,9 +19,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     tiles = _decode_tiles(x, weight.shape[0])
     if tiles is None:
         return F.linear(x, weight, bias)
-    from arctic_rl_core.engines.sampling.native import decode_linear, triton_ops
+    from arctic_rl_core.engines.sampling.native import decode_linear
+    from arctic_rl_core.zorro.attention.triton_attention import supports_pdl
 
-    return decode_linear.decode_linear(x, weight, bias, tiles=tiles, pdl=triton_ops.pdl(x.device))
+    return decode_linear.decode_linear(x, weight, bias, tiles=tiles, pdl=supports_pdl(x.device))
 
 
 def gated_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -29,9 +30,10 @@ def gated_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     tiles = _decode_tiles(x, weight.shape[0] // 2, gated=True)
     if tiles is None:
         return silu_and_mul(F.linear(x, weight))
-    from arctic_rl_core.engines.sampling.native import decode_linear, triton_ops
+    from arctic_rl_core.engines.sampling.native import decode_linear
+    from arctic_rl_core.zorro.attention.triton_attention import supports_pdl
 
-    return decode_linear.decode_linear(x, weight, gated=True, tiles=tiles, pdl=triton_ops.pdl(x.device))
+    return decode_linear.decode_linear(x, weight, gated=True, tiles=tiles, pdl=supports_pdl(x.device))
 
 
 def _decode_tiles(x: torch.Tensor, n: int, gated: bool = False):

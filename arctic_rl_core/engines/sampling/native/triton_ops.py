@@ -1,7 +1,7 @@
 """Triton kernels of the model's fused operations (CUDA); ``ops`` holds their torch twins and dispatches here.
 
 The layer kernels are launched as programmatic dependents of the kernel
-before them where the device has it (``pdl``): each waits for its
+before them where the device has it (``supports_pdl``): each waits for its
 predecessor's writes before reading anything, so a launch's start-up overlaps
 its predecessor's tail instead of following it.
 """
@@ -13,18 +13,11 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-_PDL: dict[torch.device, bool] = {}
-
-
-def pdl(device: torch.device) -> bool:
-    """Whether kernels on ``device`` may be launched as programmatic dependents (griddepcontrol, Hopper on)."""
-    if device not in _PDL:
-        _PDL[device] = device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
-    return _PDL[device]
+from arctic_rl_core.zorro.attention.triton_attention import supports_pdl
 
 
 def _launch_options(device: torch.device) -> dict:
-    return {"USE_PDL": True, "launch_pdl": True} if pdl(device) else {"USE_PDL": False}
+    return {"USE_PDL": True, "launch_pdl": True} if supports_pdl(device) else {"USE_PDL": False}
 
 
 @triton.jit
