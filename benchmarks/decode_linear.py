@@ -13,7 +13,8 @@ how ``pick_tiles`` was chosen.
 The chain rows run a decoder layer's four projections back to back, each
 feeding the next, over every layer's own weights: cuBLAS (with the separate
 activation kernel), ours, and ours launched as programmatic dependents, which
-prefetch their weights into L2 while the kernel before them finishes.
+prefetch their weights into L2 while the kernel before them finishes. "Ours"
+is what the engine runs: cuBLAS for the shapes ``pick_tiles`` declines.
 """
 
 from __future__ import annotations
@@ -54,18 +55,19 @@ def chain(model: str, rows: int, layers: int) -> None:
     layer_bytes = sum(w.numel() * 2 for w in weights[0].values())
 
     def run(mode: str):
+        def linear(x, weight, gated=False):
+            """As the engine does it: our kernel where ``pick_tiles`` takes the shape, else cuBLAS."""
+            n = weight.shape[0] // 2 if gated else weight.shape[0]
+            tiles = None if mode == "cublas" else pick_tiles(x.shape[0], n, x.shape[1], num_sms(device), gated)
+            if tiles is None:
+                out = F.linear(x, weight)
+                return triton_ops.silu_and_mul(out) if gated else out
+            return decode_linear(x, weight, gated=gated, tiles=tiles, pdl=mode == "ours+pdl")
+
         def step(i):
             w = weights[i]
-            if mode == "cublas":
-                qkv = F.linear(x0, w["qkv"])
-                o = F.linear(qkv[:, :hidden], w["o"])
-                act = triton_ops.silu_and_mul(F.linear(o, w["gate_up"]))
-                return F.linear(act, w["down"])
-            pdl = mode == "ours+pdl"
-            qkv = decode_linear(x0, w["qkv"], pdl=pdl)
-            o = decode_linear(qkv[:, :hidden], w["o"], pdl=pdl)
-            act = decode_linear(o, w["gate_up"], gated=True, pdl=pdl)
-            return decode_linear(act, w["down"], pdl=pdl)
+            o = linear(linear(x0, w["qkv"])[:, :hidden], w["o"])
+            return linear(linear(o, w["gate_up"], gated=True), w["down"])
 
         return step
 
