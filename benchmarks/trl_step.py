@@ -14,7 +14,8 @@ forward per generation batch for the sampler/trainer correction, which
 vanilla TRL (without vLLM) does not do.
 
     python benchmarks/trl_step.py                      # CPU: tiny Qwen2, fp32
-    python benchmarks/trl_step.py --device cuda --colocate --layers 12 --hidden 1024 --completion-length 256
+    python benchmarks/trl_step.py --device cuda --colocate --layers 8 --hidden 1024 --completion-length 128 \\
+        --prompts 8 --steps 4                          # H200: the recorded line (integrations/arctic_rl_trl/README.md)
 """
 
 from __future__ import annotations

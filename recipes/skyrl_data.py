@@ -1,7 +1,9 @@
 """A recipe's prepared data in SkyRL's dataset format, each row bound to the recipe's skyrl-gym environment.
 
     python -m recipes.txt2sql.data --out /tmp/sql --source synthetic
-    python -m recipes.skyrl_data --src /tmp/sql --out /tmp/sql-skyrl --env-class txt2sql
+    python -m recipes.skyrl_data --src /tmp/sql --out /tmp/sql-skyrl --env-class txt2sql --splits train dev
+
+``--splits`` defaults to ``train test`` (the GSM8K and long-context QA splits); Txt2SQL's are ``train dev``.
 
 Reads ``<split>.parquet`` of a recipe's data script (verl's format) and writes
 ``<split>.parquet`` and ``<split>.jsonl`` with SkyRL's columns
@@ -34,7 +36,9 @@ def convert(
     for split in splits:
         source = Path(src_dir) / f"{split}.parquet"
         if not source.is_file():
-            raise FileNotFoundError(f"split {split!r} not found at {str(source)!r}: run the recipe's data script first")
+            present = sorted(path.stem for path in Path(src_dir).glob("*.parquet"))
+            hint = f"pass --splits from {present}" if present else "run the recipe's data script first"
+            raise FileNotFoundError(f"split {split!r} not found at {str(source)!r}: {hint}")
         rows = pq.read_table(source).to_pylist()
         written[split] = write_split([to_skyrl_row(row, env_class) for row in rows], out_dir, split)
     return written

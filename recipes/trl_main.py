@@ -1,8 +1,8 @@
 """The TRL recipes' launcher: a Hydra app that builds GRPOConfig and ArcticGRPOTrainer from a recipe config.
 
-    python -m recipes.trl_main --config-path $PWD/recipes/txt2sql/trl --config-name txt2sql
-    python -m recipes.trl_main --config-path $PWD/recipes/txt2sql/trl --config-name txt2sql trainer=trl
-    python -m recipes.trl_main --config-path $PWD/recipes/txt2sql/trl --config-name txt2sql \\
+    python -m recipes.trl_main --config-path $PWD/recipes/txt2sql/trl --config-name arctic_txt2sql
+    python -m recipes.trl_main --config-path $PWD/recipes/txt2sql/trl --config-name arctic_txt2sql trainer=trl
+    python -m recipes.trl_main --config-path $PWD/recipes/txt2sql/trl --config-name arctic_txt2sql \\
         resume_from_checkpoint=runs/txt2sql-trl/checkpoint-100
 
 Every recipe config selects ``recipes/conf/trl_grpo.yaml``, which documents the

@@ -73,6 +73,20 @@ def test_skyrl_row_renames_the_reward_columns_and_names_the_environment():
     assert "reward_model" not in skyrl and skyrl["prompt"] == row["prompt"]
 
 
+def test_skyrl_data_names_the_splits_it_found_when_one_asked_for_is_missing(tmp_path):
+    from recipes.skyrl_data import convert
+
+    # Txt2SQL writes train and dev; skyrl_data's default splits are train and test.
+    for split in ("train", "dev"):
+        write_split([gsm8k_row("1+1?", "2")], tmp_path / "verl", split)
+    with pytest.raises(
+        FileNotFoundError, match=r"'test' not found at .*test\.parquet.*--splits from \['dev', 'train'\]"
+    ):
+        convert(tmp_path / "verl", tmp_path / "skyrl", "txt2sql", ["train", "test"])
+    with pytest.raises(FileNotFoundError, match="run the recipe's data script first"):
+        convert(tmp_path / "empty", tmp_path / "skyrl", "txt2sql", ["train"])
+
+
 def test_last_tagged_takes_the_last_non_blank_block():
     assert last_tagged("<sql>a</sql> then <SQL>\n b \n</SQL>", "sql") == "b"
     assert last_tagged("<answer>  </answer>", "answer") is None
