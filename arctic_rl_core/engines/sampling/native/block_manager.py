@@ -38,6 +38,8 @@ class BlockManager:
         self.block_tokens: list[tuple[int, ...] | None] = [None] * num_blocks
         self.hash_to_block: dict[int, int] = {}
         self.free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        # Blocks in use at the last reset: their KV may predate it (older weights), so none is registered again.
+        self.stale: set[int] = set()
         self.stats = PrefixCacheStats()
 
     @property
@@ -83,6 +85,7 @@ class BlockManager:
         self.hashes[block] = None
         self.block_tokens[block] = None
         self.ref_counts[block] = 1
+        self.stale.discard(block)
         return block
 
     def _register(self, block: int, h: int, tokens: tuple[int, ...]) -> None:
@@ -147,12 +150,13 @@ class BlockManager:
         if self.enable_prefix_caching and seq.num_tokens % self.block_size == 0:
             i = seq.num_tokens // self.block_size - 1
             parent = self.hashes[seq.block_table[i - 1]] if i > 0 else None
-            if i == 0 or parent is not None:
+            if (i == 0 or parent is not None) and seq.block_table[i] not in self.stale:
                 tokens = tuple(seq.block_tokens(i))
                 self._register(seq.block_table[i], hash((parent, tokens)), tokens)
 
     def reset_prefix_cache(self) -> None:
         """Forget every registration: blocks in use keep their contents, no future request can hit them."""
+        self.stale = {block for block, refs in enumerate(self.ref_counts) if refs}
         self.hash_to_block.clear()
         self.hashes = [None] * self.num_blocks
         self.block_tokens = [None] * self.num_blocks
