@@ -8,7 +8,7 @@ one per replica). The worker validates requests at the edge with
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Iterable, Literal, Protocol
+from typing import Annotated, Iterable, Literal, Protocol
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -23,11 +23,15 @@ class SamplingParams(BaseModel):
 
     n: int = Field(1, ge=1, le=1024, description="Completions per prompt.")
     max_tokens: int = Field(16, ge=1, description="Maximum new tokens per completion.")
-    min_tokens: int = Field(0, ge=0, description="EOS and stop strings are ignored before this many tokens.")
+    min_tokens: int = Field(
+        0, ge=0, description="Tokens before any may end the completion (EOS, stop_token_ids, a stop string's end)."
+    )
     temperature: float = Field(1.0, ge=0.0, le=100.0, description="0 means greedy.")
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int = Field(-1, ge=-1, description="-1 or 0 disables top-k.")
-    stop: list[str] = Field(default_factory=list, description="Stop strings; excluded from the returned text.")
+    stop: list[Annotated[str, Field(min_length=1)]] = Field(
+        default_factory=list, description="Non-empty stop strings; excluded from the returned text."
+    )
     stop_token_ids: list[int] = Field(default_factory=list)
     ignore_eos: bool = False
     seed: int | None = Field(None, description="Same seed, same prompt, same params: same completions.")

@@ -229,7 +229,9 @@ class NativeEngine:
         """Finish ``seq`` if its newest token ends it; True when it did."""
         p = seq.params
         token = seq.last_token
-        if seq.num_completion_tokens >= p.min_tokens:
+        # As in vLLM: the first ``min_tokens`` tokens never end a completion (the sampler bans EOS and stop ids
+        # there; a stop string ending in their text is ignored).
+        if seq.num_completion_tokens > p.min_tokens:
             if not p.ignore_eos and token in self.eos_token_ids:
                 self.scheduler.finish(seq, "stop")
                 return True
@@ -256,12 +258,11 @@ class NativeEngine:
         text = self._decode(seq.completion_token_ids)
         previous = self._decode(seq.completion_token_ids[:-1])
         # Only an occurrence that ends in the new text is new; one that ended earlier was seen (or ignored
-        # before min_tokens) then.
-        window_start = max(0, len(previous) - max(map(len, seq.params.stop)) + 1)
+        # before min_tokens) then. Searching from where a new one can start skips the old ones.
         best = None
         for stop in seq.params.stop:
-            at = text.find(stop, window_start)
-            if at != -1 and at + len(stop) > len(previous) and (best is None or at < best[0]):
+            at = text.find(stop, max(0, len(previous) - len(stop) + 1))
+            if at != -1 and (best is None or at < best[0]):
                 best = (at, stop)
         return best
 
@@ -271,7 +272,10 @@ class NativeEngine:
         return self.tokenizer.decode(token_ids, skip_special_tokens=True)
 
     def _completion(self, seq: Sequence) -> Completion:
-        text = self._decode(seq.completion_token_ids)
+        token_ids = seq.completion_token_ids
+        if seq.finish_reason == "stop" and seq.text_end is None:
+            token_ids = token_ids[:-1]  # EOS or a stop id: in token_ids, not in the text (as vLLM returns it)
+        text = self._decode(token_ids)
         if seq.text_end is not None:
             text = text[: seq.text_end]
         return Completion(
@@ -286,7 +290,8 @@ class NativeEngine:
         if not prompt:
             raise ValueError("prompt_token_ids is empty; expected at least one token")
         if len(prompt) >= self.config.max_model_len:
-            raise ValueError(f"a prompt of {len(prompt)} tokens leaves no room to generate within "
+            raise ValueError(f"prompt_token_ids has {len(prompt)} tokens; expected at most "
+                             f"{self.config.max_model_len - 1}, so that one token fits within "
                              f"max_model_len={self.config.max_model_len}")  # fmt: skip
         vocab = self.config.spec.vocab_size
         bad = [t for t in prompt if not isinstance(t, int) or not 0 <= t < vocab]
