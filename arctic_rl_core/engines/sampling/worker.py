@@ -31,6 +31,9 @@ class SamplingWorker:
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
         from arctic_rl_core.engines.sampling.vllm.selection import select_sampling_backend
 
+        # Replicas draw unseeded requests' noise from their engine's seed: the same seed everywhere would give
+        # every replica the same completions for the same prompts (the job splits batches evenly).
+        options = options.model_copy(update={"seed": options.seed + replica})
         self.backend = select_sampling_backend(engine, options.device)(model_path, options)
         self.engine_name = type(self.backend).__name__
         self._lock = threading.Lock()
