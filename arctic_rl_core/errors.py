@@ -6,6 +6,8 @@ sent something wrong) and job failures into ``JobFailedError``.
 
 from __future__ import annotations
 
+from pydantic import ValidationError
+
 
 class ArcticRLError(RuntimeError):
     """Base of server-side failures that are not the caller's fault."""
@@ -45,6 +47,15 @@ class EngineAsleep(BadRequest):
 
 class PayloadTooLarge(ValueError):
     status = 413
+
+
+def validation_message(exc: ValidationError, prefix: str = "") -> str:
+    """'field.path: what is wrong' for each error, without pydantic's URLs; ``prefix`` names the enclosing field."""
+    parts = []
+    for error in exc.errors():
+        location = ".".join(str(p) for p in (prefix, *error["loc"]) if p != "") or "request"
+        parts.append(f"{location}: {error['msg']}")
+    return "; ".join(parts)
 
 
 def status_of(exc: BaseException) -> int:

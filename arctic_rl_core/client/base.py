@@ -17,7 +17,7 @@ from typing import Any, Optional
 from pydantic import ValidationError
 
 from arctic_rl_core.config import ArcticRLClientConfig
-from arctic_rl_core.errors import ArcticRLError, JobFailedError
+from arctic_rl_core.errors import ArcticRLError, JobFailedError, validation_message
 from arctic_rl_core.ops import OPS, JobKind, Op
 
 logger = logging.getLogger(__name__)
@@ -117,8 +117,6 @@ class ArcticRLClient:
         try:
             return op.request.model_validate(data)
         except ValidationError as exc:
-            from arctic_rl_core.server.http_app import validation_message
-
             raise ValueError(f"{op.name}: {validation_message(exc)}") from None
 
     def _call_server_sync(self, name: str, **arguments) -> Any:
@@ -148,9 +146,9 @@ class ArcticRLClient:
         return await self._call_server("status")
 
     async def shutdown(self) -> None:
-        """Destroy the training, log-prob and sampling jobs, in that order; stop the server this client started."""
+        """Destroy the training, sampling and log-prob jobs, in that order; stop the server this client started."""
         errors = []
-        for kind in ("training", "log_prob", "sampling"):
+        for kind in ("training", "sampling", "log_prob"):
             job_id = self._job_ids[kind]
             if job_id is None:
                 continue

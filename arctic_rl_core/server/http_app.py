@@ -21,7 +21,7 @@ from pydantic.json_schema import models_json_schema
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from arctic_rl_core import wire
-from arctic_rl_core.errors import BadRequest, PayloadTooLarge, Unauthorized, status_of
+from arctic_rl_core.errors import BadRequest, PayloadTooLarge, Unauthorized, status_of, validation_message
 from arctic_rl_core.ops import OPS, Op
 from arctic_rl_core.server.manager import JobManager
 
@@ -29,15 +29,6 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_BODY_BYTES = 2 * 1024**3
 OPEN_PATHS = {"/health"}
-
-
-def validation_message(exc: ValidationError) -> str:
-    """'field.path: what is wrong' for each error, without pydantic's URLs."""
-    parts = []
-    for error in exc.errors():
-        location = ".".join(str(p) for p in error["loc"]) or "request"
-        parts.append(f"{location}: {error['msg']}")
-    return "; ".join(parts)
 
 
 class _JSONResponse(JSONResponse):

@@ -83,6 +83,8 @@ class Job:
 
     async def start(self) -> None:
         """Create and set up the workers; RUNNING on success, FAILED (with the cause) otherwise."""
+        if self.state is not JobState.PENDING:
+            return  # destroyed before its turn came: its placement group is gone, and no one would kill its workers
         try:
             await self._create_workers()
             self.pids = [info["pid"] for info in await self.worker_infos()]

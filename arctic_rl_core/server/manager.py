@@ -16,10 +16,12 @@ import logging
 import os
 from typing import Any, Callable
 
+from pydantic import ValidationError
+
 from arctic_rl_core.config import ArcticRLClientConfig, TrainingConfig, WeightSyncConfig
 from arctic_rl_core.engines.sampling.protocol import SamplingEngineOptions
 from arctic_rl_core.engines.training.worker import WorkerSpec
-from arctic_rl_core.errors import BadRequest, NotFound
+from arctic_rl_core.errors import BadRequest, NotFound, validation_message
 from arctic_rl_core.ops import JobKind, Op, Processing
 from arctic_rl_core.server import placement
 from arctic_rl_core.server.deepspeed_jobs import DeepSpeedJob, LogProbJob, TrainingJob
@@ -76,12 +78,14 @@ class JobManager:
         device = self._device(config.device)
         placement.check_capacity(placement.gpus_needed(list(wanted.values()), config.colocate))
         threads = max(1, (os.cpu_count() or 1) // sum(wanted.values())) if device == "cpu" else None
+        # Every job's settings are checked before any GPU is reserved: a bad training_config must not strand them.
+        builders = {kind: self._builder(kind, config, device) for kind in wanted}
         slots = await self._place(wanted, config.colocate, config.job_ready_timeout)
         jobs: list[Job] = []
-        for kind in wanted:
+        for kind, build in builders.items():
             job_id = self._next_id
             self._next_id += 1
-            job = self._build(kind, job_id, slots[kind], threads, config, device)
+            job = build(job_id, slots[kind], threads)
             job.on_release = slots["release"][kind]
             self.jobs[job_id] = job
             self._locks[job_id] = asyncio.Lock()
@@ -181,20 +185,29 @@ class JobManager:
                 slots[kind] = placement.colocated_slots(group, count, sharers=len(wanted))
                 slots["release"][kind] = shared.release
         else:
-            for kind, count in wanted.items():
-                group = await placement.reserve(count, timeout)
-                slots[kind] = placement.split_slots(group, count)
-                slots["release"][kind] = lambda g=group: placement.remove_placement_group(g)
+            reserved = []
+            try:
+                for kind, count in wanted.items():
+                    group = await placement.reserve(count, timeout)
+                    reserved.append(group)
+                    slots[kind] = placement.split_slots(group, count)
+                    slots["release"][kind] = lambda g=group: placement.remove_placement_group(g)
+            except BaseException:
+                for group in reserved:  # no job holds them yet
+                    placement.remove_placement_group(group)
+                raise
         return slots
 
-    def _build(self, kind: JobKind, job_id: int, slots, threads, config: ArcticRLClientConfig, device: str) -> Job:
+    def _builder(self, kind: JobKind, config: ArcticRLClientConfig, device: str) -> Callable[..., Job]:
+        """``(job_id, slots, threads) -> Job`` for ``kind``, with the job's settings validated now."""
         if kind is JobKind.SAMPLING:
-            return SamplingJob(
-                job_id, slots, threads, config.model_name, config.sampling_engine, sampling_options(config, device)
+            options = sampling_options(config, device)
+            return lambda job_id, slots, threads: SamplingJob(
+                job_id, slots, threads, config.model_name, config.sampling_engine, options
             )
         if kind is JobKind.TRAINING:
-            training = TrainingConfig.model_validate(
-                {**(config.ds_worker_config or {}), **(config.training_config or {})}
+            training = _training_config(
+                {**(config.ds_worker_config or {}), **(config.training_config or {})}, "training_config"
             )
             weight_sync = _weight_sync(config)
             spec = WorkerSpec(
@@ -211,14 +224,15 @@ class JobManager:
                 split_weight_sync=None if config.colocate else weight_sync.model_dump(exclude_unset=True),
             )
             default = Processing(loss_fn=training.default_loss, config=training.default_loss_config)
-            return TrainingJob(job_id, slots, threads, spec, default_processing=default)
-        return self._build_log_prob(job_id, slots, threads, config, device)
+            return lambda job_id, slots, threads: TrainingJob(job_id, slots, threads, spec, default_processing=default)
+        return self._log_prob_builder(config, device)
 
-    def _build_log_prob(self, job_id, slots, threads, config: ArcticRLClientConfig, device: str) -> Job:
+    def _log_prob_builder(self, config: ArcticRLClientConfig, device: str) -> Callable[..., Job]:
         if config.log_prob_engine == "vllm":
             from arctic_rl_core.server.vllm_log_prob_job import VLLMLogProbJob
 
-            return VLLMLogProbJob(job_id, slots, threads, config.model_name, sampling_options(config, device))
+            options = sampling_options(config, device)
+            return lambda job_id, slots, threads: VLLMLogProbJob(job_id, slots, threads, config.model_name, options)
         settings = dict(config.log_prob_ds_config or {})
         ds_config = settings.pop("ds_config", {})
         training_dtype = (config.training_config or {}).get("dtype")
@@ -228,12 +242,19 @@ class JobManager:
             model_name=config.model_name,
             device=device,
             trainable=False,
-            training=TrainingConfig.model_validate(settings),
+            training=_training_config(settings, "log_prob_ds_config"),
             ds_config=ds_config,
             seed=config.seed,
             full_determinism=config.full_determinism,
         )
-        return LogProbJob(job_id, slots, threads, spec)
+        return lambda job_id, slots, threads: LogProbJob(job_id, slots, threads, spec)
+
+
+def _training_config(settings: dict, field: str) -> TrainingConfig:
+    try:
+        return TrainingConfig.model_validate(settings)
+    except ValidationError as exc:
+        raise BadRequest(validation_message(exc, field)) from None
 
 
 def _weight_sync(config: ArcticRLClientConfig) -> WeightSyncConfig:
