@@ -97,9 +97,19 @@ def _url_host(host: str) -> str:
 
 
 def _stop_quietly(client: ArcticRLClient) -> None:
+    """Undo a failed start: stop the server this client started (its jobs go with it), else destroy our jobs."""
     server = client._server
     if server is not None:
         server.kill()
+        return
+    # A server someone else runs outlives us: the jobs we created there would hold their GPUs with no owner.
+    for kind, job_id in client._job_ids.items():
+        if job_id is None:
+            continue
+        try:
+            client._call_server_sync("destroy_job", job_id=job_id)
+        except Exception as exc:  # noqa: BLE001 - the start's own error is the one to raise
+            logger.warning("could not destroy %s job %d after a failed start: %s", kind, job_id, exc)
 
 
 class LocalHTTPServer:

@@ -92,21 +92,31 @@ class HTTPTransport(Transport):
             return wire.decode(body)["result"]
         return json.loads(bytes(body))["result"]
 
+    def _unreachable(self, op: Op, exc: httpx.TransportError) -> ConnectionError:
+        # A ConnectionError, as over Ray: callers (shutdown() among them) need not know httpx.
+        return ConnectionError(f"{op.name}: no answer from the arctic-rl server at {self.base_url} ({exc!r})")
+
     async def call(self, op: Op, request) -> Any:
         kwargs = self._encode(op, request, asynchronous=True)
-        async with self._async_client().stream(op.http_method, **kwargs) as response:
-            body = wire.Body(response.headers.get("content-length"))
-            async for chunk in response.aiter_raw():
-                body.add(chunk)
+        try:
+            async with self._async_client().stream(op.http_method, **kwargs) as response:
+                body = wire.Body(response.headers.get("content-length"))
+                async for chunk in response.aiter_raw():
+                    body.add(chunk)
+        except httpx.TransportError as exc:
+            raise self._unreachable(op, exc) from None
         return self._result(op, response, body.data)
 
     def call_sync(self, op: Op, request) -> Any:
         kwargs = self._encode(op, request, asynchronous=False)
-        with httpx.Client(base_url=self.base_url, headers=self.headers, timeout=self.timeout) as client:
-            with client.stream(op.http_method, **kwargs) as response:
-                body = wire.Body(response.headers.get("content-length"))
-                for chunk in response.iter_raw():
-                    body.add(chunk)
+        try:
+            with httpx.Client(base_url=self.base_url, headers=self.headers, timeout=self.timeout) as client:
+                with client.stream(op.http_method, **kwargs) as response:
+                    body = wire.Body(response.headers.get("content-length"))
+                    for chunk in response.iter_raw():
+                        body.add(chunk)
+        except httpx.TransportError as exc:
+            raise self._unreachable(op, exc) from None
         return self._result(op, response, body.data)
 
     def health(self) -> bool:
