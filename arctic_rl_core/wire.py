@@ -79,11 +79,14 @@ def _take_tensors(value: Any, tensors: list[torch.Tensor]) -> Any:
     if isinstance(value, np.ndarray):
         value = torch.from_numpy(np.ascontiguousarray(value))
     if isinstance(value, torch.Tensor):
+        dtype = str(value.dtype).removeprefix("torch.")
+        if dtype not in _DTYPES:
+            # Refused here, by name: the receiver could only call the message corrupt.
+            raise TypeError(f"cannot send a {dtype} tensor on the wire; supported dtypes: {', '.join(_DTYPES)}")
         tensor = value.detach()
         if tensor.device.type != "cpu":
             tensor = tensor.cpu()
         tensors.append(tensor.contiguous())
-        dtype = str(tensor.dtype).removeprefix("torch.")
         return {_TENSOR_KEY: len(tensors) - 1, "dtype": dtype, "shape": list(tensor.shape)}
     if isinstance(value, dict):
         out = {}
@@ -234,6 +237,8 @@ def decode(data: bytes | bytearray | memoryview) -> Any:
                 raise WireError(f"negative dimension in tensor shape {shape}")
             numel *= size
         nbytes = numel * torch.empty((), dtype=dtype).element_size()
+        if type(offset) is not int:
+            raise WireError(f"corrupt offset {offset!r} of tensor {index}: expected an integer")
         if offset < 0 or base + offset + nbytes > payload.nbytes:
             raise WireError(f"tensor {index} ({dtype}, {shape}) runs past the end of the message")
         if numel == 0:

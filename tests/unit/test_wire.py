@@ -1,5 +1,7 @@
 import gc
+import json
 import math
+import struct
 
 import numpy as np
 import pytest
@@ -103,3 +105,25 @@ def test_body_without_a_true_content_length_still_holds_exactly_what_arrived(dec
     for _ in range(5):
         body.add(b"abc" * 100)
     assert bytes(body.data) == b"abc" * 500
+
+
+def _with_offsets(message: bytes, offsets) -> bytearray:
+    """``message`` with its header's offset table replaced."""
+    (header_len,) = struct.unpack_from("<Q", message, len(wire.MAGIC))
+    header = json.loads(message[len(wire.MAGIC) + 8 : len(wire.MAGIC) + 8 + header_len])
+    header["offsets"] = offsets
+    raw = json.dumps(header).encode()
+    prefix = wire.MAGIC + struct.pack("<Q", len(raw)) + raw
+    return bytearray(prefix + b"\0" * (-len(prefix) % 64) + b"\0" * 64)
+
+
+@pytest.mark.parametrize("offsets", ["abc", [1.5], [None]], ids=["string", "float", "null"])
+def test_a_corrupt_offset_table_raises_wire_error(offsets):
+    with pytest.raises(wire.WireError, match="offset"):
+        wire.decode(_with_offsets(wire.encode({"t": torch.ones(4)}), offsets))
+
+
+@pytest.mark.parametrize("dtype", [torch.complex64, torch.uint16], ids=str)
+def test_a_tensor_of_an_unsupported_dtype_is_refused_when_encoded_naming_the_dtype(dtype):
+    with pytest.raises(TypeError, match=str(dtype).removeprefix("torch.") + ".*supported dtypes: float64"):
+        wire.encode({"t": torch.zeros(2, dtype=dtype)})
