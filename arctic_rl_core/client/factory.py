@@ -82,7 +82,12 @@ def _ray_client(config: ArcticRLClientConfig, starts_server: bool) -> ArcticRLRa
         config = config.model_copy(update={"ray_server_name": name})
         server = LocalRayServer(config)
     transport = RayTransport(config.ray_server_name or DEFAULT_RAY_SERVER_NAME, config.ray_namespace)
-    transport.wait_until_healthy(config.startup_timeout, config.health_check_interval)
+    try:
+        transport.wait_until_healthy(config.startup_timeout, config.health_check_interval)
+    except BaseException:
+        if server is not None:
+            server.kill()  # detached: nothing else would ever stop the actor we just created
+        raise
     return ArcticRLRayClient(config, transport, server)
 
 
