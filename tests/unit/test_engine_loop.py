@@ -40,3 +40,18 @@ def test_a_bad_request_fails_only_its_caller(engine):
         assert len(good.result(timeout=60)[0].token_ids) >= 1
     finally:
         loop.stop()
+
+
+def test_a_refused_prompt_fails_its_whole_call_and_nothing_of_it_runs(engine):
+    loop = EngineLoop(engine)
+    try:
+        params = SamplingParams(max_tokens=4, temperature=0.0)
+        futures = loop.submit_all([[5, 6], [], [7, 8]], params)
+        for future in futures:
+            with pytest.raises(ValueError, match=r"^prompt 1 of 3: prompt_token_ids is empty"):
+                future.result(timeout=60)
+        # The first prompt, added before the refusal, is aborted: the next call's step runs only its own.
+        assert len(loop.submit([9, 10], params).result(timeout=60)[0].token_ids) == 4
+        assert not loop.call(lambda e: e.has_unfinished())
+    finally:
+        loop.stop()

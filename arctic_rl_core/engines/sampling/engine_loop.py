@@ -28,9 +28,17 @@ class EngineLoop:
 
     def submit(self, prompt_token_ids: list[int], params) -> Future:
         """Completions of one prompt (``params.n`` of them), as a future."""
-        future: Future = Future()
-        self._inbox.put(("request", (prompt_token_ids, params, future)))
-        return future
+        return self.submit_all([prompt_token_ids], params)[0]
+
+    def submit_all(self, prompts: list[list[int]], params) -> list[Future]:
+        """Completions of each prompt, as futures; all of them run, or (one prompt refused) none does.
+
+        A refused prompt fails every future with its error, naming its index:
+        the others are not generated only to be thrown away with the call.
+        """
+        futures: list[Future] = [Future() for _ in prompts]
+        self._inbox.put(("request", (prompts, params, futures)))
+        return futures
 
     def call(self, fn: Callable[[Any], Any]) -> Any:
         """Run ``fn(engine)`` on the loop thread between steps; return its result (or raise its error)."""
@@ -58,14 +66,24 @@ class EngineLoop:
                 fn, future = item
                 self._resolve(future, fn, self.engine)
             else:
-                prompt, params, future = item
-                request_id = uuid.uuid4().hex
-                try:
-                    self.engine.add_request(prompt, params, request_id)
-                except Exception as exc:  # noqa: BLE001 - a bad request fails only its caller
+                self._add(*item)
+
+    def _add(self, prompts: list[list[int]], params, futures: list[Future]) -> None:
+        added = {}
+        for index, prompt in enumerate(prompts):
+            request_id = uuid.uuid4().hex
+            try:
+                self.engine.add_request(prompt, params, request_id)
+            except Exception as exc:  # noqa: BLE001 - a bad request fails only its caller
+                for added_id in added:
+                    self.engine.abort_request(added_id)
+                if len(prompts) > 1 and isinstance(exc, ValueError):
+                    exc = ValueError(f"prompt {index} of {len(prompts)}: {exc}")
+                for future in futures:
                     future.set_exception(exc)
-                    continue
-                self._pending[request_id] = future
+                return
+            added[request_id] = futures[index]
+        self._pending.update(added)
 
     def _step(self) -> None:
         try:

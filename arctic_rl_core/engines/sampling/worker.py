@@ -65,7 +65,7 @@ class SamplingWorker:
         if prompt_token_ids is None:
             prompt_token_ids = self.tokenize(prompts)
         if self._loop is not None:
-            futures = [self._loop.submit(ids, params) for ids in prompt_token_ids]
+            futures = self._loop.submit_all(prompt_token_ids, params)
             completions = [future.result() for future in futures]
         else:
             with self._lock:
