@@ -27,6 +27,7 @@ def variants(quick: bool) -> list[tuple[TileShape, float]]:
     out = [
         (default, 1.0),
         (default, 2.0),
+        (default, 0.5),  # one unit per resident program: longer prefix chunks, no second round of suffix units
         (dataclasses.replace(default, chunk_per_row=1), 1.0),
         (dataclasses.replace(default, pdl=False), 1.0),
         (dataclasses.replace(default, wide_maxnreg=None), 1.0),
