@@ -94,6 +94,8 @@ class Batch(_Request):
                 raise ValueError(
                     f"batch.kwargs.{name}: expected shape {list(shape)} like input_ids, got {list(tensor.shape)}"
                 )
+        if "position_ids" in self.kwargs:
+            self._check_position_ids()
         for name, tensor in self.context.items():
             if (
                 tensor.dim() == 0
@@ -104,6 +106,24 @@ class Batch(_Request):
                     f"batch.context.{name}: expected [B] or [B, T] = {list(shape)} like input_ids, got {list(tensor.shape)}"
                 )
         return self
+
+    def _check_position_ids(self) -> None:
+        """The engines take positions from attention_mask; position_ids that say otherwise would be ignored."""
+        from arctic_rl_core.models.forward import position_ids_from_mask
+
+        mask = self.kwargs.get("attention_mask")
+        if mask is not None and not ((mask == 0) | (mask == 1)).all():
+            return  # a mask that is not 0/1 is refused with its own message, where the model is known
+        real = self.attention_mask.bool()
+        given = self.kwargs["position_ids"]
+        differs = (given.long() != position_ids_from_mask(self.attention_mask)) & real
+        if differs.any():
+            row = int(differs.any(-1).nonzero()[0])
+            raise ValueError(
+                "batch.kwargs.position_ids: the engines derive positions from attention_mask (each row's real "
+                f"tokens at 0, 1, 2, ...); row {row} gives {given[row][real[row]].tolist()[:8]} at its real tokens. "
+                "Omit position_ids, or pass one sequence per row (packed sequences are not supported)"
+            )
 
     @property
     def input_ids(self) -> torch.Tensor:

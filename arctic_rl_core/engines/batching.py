@@ -86,10 +86,15 @@ def contiguous_split(weights: list[int], parts: int) -> list[tuple[int, int]]:
 
 
 def micro_batches(batch: RowBatch, max_tokens: int | None, min_count: int = 1) -> list[RowBatch]:
-    """Greedy consecutive packing: each micro-batch's padded size (rows x longest row) stays under ``max_tokens``."""
+    """Greedy consecutive packing: each micro-batch's padded size (rows x longest row) stays under ``max_tokens``.
+
+    At least ``min_count`` micro-batches (as many as there are rows, at most) come out: the heaviest
+    ranges are halved until there are enough, and a part of a range never exceeds the range's budget.
+    """
     lengths = batch.attention_mask.sum(-1).tolist()
+    count = max(1, min(min_count, batch.rows))
     if max_tokens is None:
-        ranges = contiguous_split(lengths, max(1, min(min_count, batch.rows)))
+        ranges = contiguous_split(lengths, count)
     else:
         ranges, start, longest = [], 0, 0
         for row, length in enumerate(lengths):
@@ -99,6 +104,10 @@ def micro_batches(batch: RowBatch, max_tokens: int | None, min_count: int = 1) -
                 start, longest_with_row = row, length
             longest = longest_with_row
         ranges.append((start, batch.rows))
-        if len(ranges) < min_count:
-            ranges = contiguous_split(lengths, max(1, min(min_count, batch.rows)))
+        while len(ranges) < count:
+            index = max(
+                (i for i, (a, b) in enumerate(ranges) if b - a > 1), key=lambda i: sum(lengths[slice(*ranges[i])])
+            )
+            a, b = ranges[index]
+            ranges[index : index + 1] = [(a + lo, a + hi) for lo, hi in contiguous_split(lengths[a:b], 2)]
     return [batch.select(a, b).trimmed() for a, b in ranges if b > a]

@@ -111,7 +111,8 @@ class DeepSpeedWorker:
         )  # fmt: skip
         if not spec.trainable:
             self.engine.eval()
-        self._pending_micro_batches = 0
+        self._pending_micro_batches = 0  # real micro-batches whose gradients wait for step()
+        self._pending_backwards = 0  # backward passes, dummy ones included
         self._offload = EngineOffload(self.engine, self._zero_stage, self.device)
         self._offload.settle(LP)  # a memory home of their own, so sleeping gives all of it back
         if spec.checkpoint_path and (Path(spec.checkpoint_path) / "latest").exists():
@@ -173,13 +174,17 @@ class DeepSpeedWorker:
         maxima: dict[str, list] = {}
         loss_total: float | torch.Tensor = 0.0
         self.engine.train()
-        # A rank with no rows still joins the gradient all-reduce, with a zero loss on a dummy row.
-        for index, part in enumerate(parts or [None]):
-            last = index == max(len(parts), 1) - 1
-            self.engine.set_gradient_accumulation_boundary(last)
+        # Every rank runs as many passes as the busiest one: ZeRO-2 reduces and ZeRO-3 gathers in every pass,
+        # and those collectives pair up pass by pass. A rank out of rows runs a zero loss on a dummy row.
+        passes = self._most_over_ranks(max(len(parts), 1))
+        for index in range(passes):
+            part = parts[index] if index < len(parts) else None
+            self.engine.set_gradient_accumulation_boundary(index == passes - 1)
+            self._begin_pass()
             if part is None:
                 loss = self._dummy_loss()
             else:
+                self._pending_micro_batches += 1
                 part = part.to(self.device)
                 select = part.loss_mask > 0
                 out = self._outputs(part, select, call.post, entropy_mode)
@@ -212,7 +217,7 @@ class DeepSpeedWorker:
             loss_total = loss_total + loss.detach()
             # DeepSpeed averages gradients over ranks; our shares sum to the global loss.
             self.engine.backward(loss * self.world_size)
-            self._pending_micro_batches += 1
+            self._pending_backwards += 1
         return {
             "loss": float(loss_total),
             "sums": {name: [float(total), float(weight)] for name, (total, weight) in sums.items()},
@@ -221,15 +226,50 @@ class DeepSpeedWorker:
         }
 
     def _dummy_loss(self) -> torch.Tensor:
+        """A zero loss on a dummy row, through the modules a real pass runs: ZeRO-3 checks that ranks run the same."""
         ids = torch.zeros(1, 2, dtype=torch.long, device=self.device)
-        logits = self.model(input_ids=ids, use_cache=False).logits
-        return logits.sum() * 0.0
+        select = torch.tensor([[True, False]], device=self.device)
+        return token_outputs(self.model, ids, torch.ones_like(ids), select).logprobs.sum() * 0.0
+
+    def _begin_pass(self) -> None:
+        """What ``engine.forward`` does first, which our forward (body and head, not ``engine(...)``) skips.
+
+        It tells a ZeRO optimizer that the previous backward is over; without it, ZeRO-3 overwrites the
+        gradients of the previous micro-batches with the next one's instead of adding them up.
+        """
+        from deepspeed.runtime.base_optimizer import ZeROOptimizer
+
+        if isinstance(self.engine.optimizer, ZeROOptimizer):
+            self.engine.optimizer.clear_backward_seen_flag()
+
+    def _most_over_ranks(self, count: int) -> int:
+        """The largest ``count`` of any rank."""
+        if self.world_size == 1:
+            return count
+        import torch.distributed as dist
+
+        most = torch.tensor([count], dtype=torch.int64, device=self.device)
+        dist.all_reduce(most, op=dist.ReduceOp.MAX)
+        return int(most)
+
+    def _join_gathers(self) -> None:
+        """A rank with no rows still runs a forward under ZeRO-3: the others' parameter gathers wait for it."""
+        if self._zero_stage == 3:
+            self._dummy_loss()
 
     @torch.no_grad()
     def token_log_probs(self, batch: RowBatch, top_k: int) -> dict:
         """Shifted log-probs [B, T] plus the top-k alternatives [B, T, k] at every scored position."""
         self._require_awake("log_probs", (LP,))
         self.engine.eval()
+        if not batch.rows:  # fewer sequences than ranks
+            self._join_gathers()
+            rows, length = batch.input_ids.shape
+            empty = {"log_probs_shifted": torch.zeros(rows, length)}
+            if top_k:
+                empty["top_ids"] = torch.zeros(rows, length, top_k, dtype=torch.long)
+                empty["top_log_probs"] = torch.zeros(rows, length, top_k)
+            return empty
         batch = batch.to(self.device)
         mask = batch.attention_mask.bool()
         select = torch.zeros_like(mask)
@@ -257,6 +297,8 @@ class DeepSpeedWorker:
             log_probs[select.cpu()] = out.logprobs[select].float().cpu()
             if entropy is not None:
                 entropy[select.cpu()] = out.entropy[select].float().cpu()
+        else:
+            self._join_gathers()
         result = {"log_probs_shifted": log_probs}
         if entropy is not None:
             result["entropy_shifted"] = entropy
@@ -268,13 +310,13 @@ class DeepSpeedWorker:
         if not self.spec.trainable:
             raise RuntimeError("step on a forward-only engine")
         self._require_awake("step")
-        if self._pending_micro_batches == 0:
+        if self._pending_backwards == 0:
             raise ValueError("step() called with no gradients: call fwd_bwd first")
         self.engine.set_gradient_accumulation_boundary(True)
         norm = self._grad_norm_if_untracked()
         self.engine.step()
         self._offload.settle(NON_LP)  # after the first step, which created AdamW's moments; then a no-op
-        applied, self._pending_micro_batches = self._pending_micro_batches, 0
+        applied, self._pending_micro_batches, self._pending_backwards = self._pending_micro_batches, 0, 0
         tracked = self.engine.get_global_grad_norm()
         grad_norm = float(tracked) if tracked is not None else norm
         # Gradients accumulate per job, from every client: the count says how many micro-batches this step applied.

@@ -1,0 +1,108 @@
+"""Two real DeepSpeed ranks (gloo, CPU) whose shards differ: one has fewer rows or micro-batches than the other.
+
+ZeRO-3 gathers parameters in every forward, and those gathers are collectives: a rank that
+runs fewer passes than another leaves it waiting forever. Each scenario must finish, and a
+fwd_bwd split into micro-batches (unevenly, too) must produce the gradient of the whole batch:
+ZeRO-3 adds up the micro-batches' gradients only when told that each backward is over.
+"""
+
+from __future__ import annotations
+
+import queue
+import time
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from tests.conftest import free_port
+
+pytestmark = pytest.mark.slow
+
+DEADLINE_S = 150
+ROWS, WIDTH = 5, 6
+
+
+def _batch() -> torch.Tensor:
+    return torch.randint(5, 200, (ROWS, WIDTH), generator=torch.Generator().manual_seed(0))
+
+
+def _rank(rank: int, port: int, model: str, results) -> None:
+    from arctic_rl_core.config import TrainingConfig
+    from arctic_rl_core.engines.batching import RowBatch
+    from arctic_rl_core.engines.training.worker import DeepSpeedWorker, LossCall, WorkerSpec
+
+    try:
+        # 8 tokens per micro-batch: one row of 6 each, so rank 0 (4 rows) runs 4 passes and rank 1 (1 row) one.
+        training = TrainingConfig(dtype="float32", mb_spec={"max_tokens_per_mb": 8})
+        stage3 = {"zero_optimization": {"stage": 3}}
+        worker = DeepSpeedWorker(rank, 2, WorkerSpec(model, "cpu", True, training, stage3, threads=1))
+        worker.setup("127.0.0.1", port)
+        ids = _batch()
+        mine = ids[:4] if rank == 0 else ids[4:]
+        mask = torch.ones_like(mine)
+        loss_mask = torch.zeros(len(mine), WIDTH)
+        loss_mask[:, :-1] = 1
+        call = LossCall("sft", {}, [], global_tokens=ROWS * (WIDTH - 1), global_seqs=ROWS, horizon=WIDTH)
+        trained = worker.fwd_bwd(RowBatch(mine, mask, loss_mask, {}), call)
+        results.put((rank, "fwd_bwd", trained["micro_batches"]))
+        results.put((rank, "step", worker.step()))
+        # Fewer sequences than ranks: rank 1 gets none.
+        only = ids[:1] if rank == 0 else ids[:0]
+        no_grad = worker.fwd_no_grad(RowBatch(only, torch.ones_like(only)), [], True)
+        results.put((rank, "fwd_no_grad", list(no_grad["log_probs_shifted"].shape)))
+        scored = worker.token_log_probs(RowBatch(only, torch.ones_like(only)), top_k=2)
+        results.put((rank, "token_log_probs", {k: list(v.shape) for k, v in scored.items()}))
+    except Exception as exc:  # reported, so the test fails with the cause rather than a timeout
+        results.put((rank, "error", repr(exc)))
+
+
+@pytest.fixture(scope="module")
+def outcomes(tiny_model) -> dict:
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    ranks = [ctx.Process(target=_rank, args=(r, port, tiny_model, results), daemon=True) for r in range(2)]
+    for process in ranks:
+        process.start()
+    got: dict = {}
+    deadline = time.monotonic() + DEADLINE_S
+    try:
+        while len(got) < 8 and time.monotonic() < deadline and not any(k[1] == "error" for k in got):
+            try:
+                rank, what, value = results.get(timeout=1)
+            except queue.Empty:
+                continue
+            got[(rank, what)] = value
+    finally:
+        for process in ranks:
+            process.kill()
+            process.join()
+    return got
+
+
+def _reference_grad_norm(model_path: str) -> float:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    ids = _batch()
+    logprobs = model(input_ids=ids).logits[:, :-1].log_softmax(-1).gather(-1, ids[:, 1:, None]).squeeze(-1)
+    (-logprobs.sum() / (ROWS * (WIDTH - 1))).backward()
+    return float(torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in model.parameters()])))
+
+
+def test_zero3_fwd_bwd_with_uneven_micro_batches_finishes_with_the_whole_batch_gradient(outcomes, tiny_model):
+    assert outcomes.get((0, "fwd_bwd")) == 4 and outcomes.get((1, "fwd_bwd")) == 1, outcomes
+    grad_norm = outcomes[(0, "step")]["grad_norm"]
+    assert grad_norm == pytest.approx(_reference_grad_norm(tiny_model), rel=1e-4)
+    assert outcomes[(0, "step")]["micro_batches"] + outcomes[(1, "step")]["micro_batches"] == 5
+
+
+def test_zero3_fwd_no_grad_with_fewer_rows_than_ranks_finishes(outcomes):
+    assert outcomes.get((0, "fwd_no_grad")) == [1, WIDTH] and outcomes.get((1, "fwd_no_grad")) == [0, WIDTH], outcomes
+
+
+def test_token_log_probs_of_a_rank_without_rows_are_empty(outcomes):
+    expected = {"log_probs_shifted": [0, WIDTH], "top_ids": [0, WIDTH, 2], "top_log_probs": [0, WIDTH, 2]}
+    assert outcomes.get((1, "token_log_probs")) == expected, outcomes
+    assert outcomes[(0, "token_log_probs")]["top_ids"] == [1, WIDTH, 2]
