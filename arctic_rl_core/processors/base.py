@@ -94,8 +94,9 @@ class LossInputs:
     def per_token(self, key: str) -> Tensor:
         """Context tensor ``key`` as [B, T] float32, with [B] broadcast over tokens and masked-out entries zeroed.
 
-        Zeroing matters: clients may put -inf or NaN in padded positions, and
-        ``0 * nan`` would otherwise poison the loss and every gradient.
+        The servers refuse non-finite context values before a batch reaches a
+        rank; zeroing is the second line: a -inf or NaN in a padded position
+        would otherwise poison the loss and every gradient, as ``0 * nan``.
         """
         value = self.context[key].to(device=self.logprobs.device, dtype=torch.float32)
         if value.dim() == 1:
