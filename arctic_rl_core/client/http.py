@@ -13,7 +13,7 @@ import httpx
 
 from arctic_rl_core import wire
 from arctic_rl_core.client.base import ArcticRLClient, Transport
-from arctic_rl_core.errors import ArcticRLError, JobFailedError, Unauthorized
+from arctic_rl_core.errors import ArcticRLError, JobFailedError, JobNotReady, Unauthorized
 from arctic_rl_core.ops import Op
 
 # httpcore reads a response body 64 KB at a time, and each read costs more in h11 and anyio than its bytes cost
@@ -34,14 +34,16 @@ def raise_for_response(response: httpx.Response, op_name: str) -> None:
     if response.status_code < 400:
         return
     try:
-        detail = response.json().get("detail", response.text)
+        body = response.json()
+        detail, error = body.get("detail", response.text), body.get("error")
     except ValueError:
-        detail = response.text
+        detail, error = response.text, None
     status = response.status_code
     if status == 401:
         raise Unauthorized(f"{op_name}: {detail}")
     if status == 409:
-        raise JobFailedError(f"{op_name}: {detail}")
+        # Both job states answer 409; the body's type tells them apart, as the Ray transport's exceptions do.
+        raise (JobNotReady if error == JobNotReady.__name__ else JobFailedError)(f"{op_name}: {detail}")
     if status < 500:
         raise ArcticRLRequestError(status, f"{op_name}: {detail}")
     raise ArcticRLError(f"{op_name}: HTTP {status}: {detail}")

@@ -1,4 +1,4 @@
-"""Client shutdown: the seeds' order, and completion when the server cannot be reached (a ConnectionError)."""
+"""Client errors and shutdown: an unreachable server, a job that is not running (HTTP as Ray), the seeds' shutdown order."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import uvicorn
 
 from arctic_rl_core.client.http import ArcticRLHTTPClient, HTTPTransport
 from arctic_rl_core.config import ArcticRLClientConfig
+from arctic_rl_core.errors import JobFailedError, JobNotReady
 from arctic_rl_core.ops import JobKind
 from arctic_rl_core.server.http_app import create_app
 from arctic_rl_core.server.jobs import JobState
@@ -79,3 +80,19 @@ def test_shutdown_destroys_the_training_sampling_and_log_prob_jobs_in_that_order
     asyncio.run(client.shutdown())
     assert destroyed == ["training", "sampling", "log_prob"]
     assert all(job.state is JobState.DESTROYED for job in manager.jobs.values())
+
+
+def test_a_call_to_a_job_that_is_not_running_raises_job_not_ready_over_http_as_over_ray(served_manager):
+    manager, port = served_manager
+    config = ArcticRLClientConfig(model_name="m", training_gpus=1, sampling_gpus=0, log_prob_gpus=0)
+    job = manager._builder(JobKind.TRAINING, config, "cpu")(0, [], None)  # PENDING: its workers never started
+    manager.jobs[0], manager._locks[0] = job, asyncio.Lock()
+    client = ArcticRLHTTPClient(
+        config.model_copy(update={"host": "127.0.0.1", "port": port, "training_job_id": 0}),
+        HTTPTransport(f"http://127.0.0.1:{port}", None),
+    )
+    with pytest.raises(JobNotReady, match="training job 0 is PENDING"):
+        asyncio.run(client.step())
+    job.state = JobState.FAILED
+    with pytest.raises(JobFailedError):
+        asyncio.run(client.step())
