@@ -201,3 +201,12 @@ def test_reset_prefix_cache_can_be_called_between_generations(engine):
     engine.reset_prefix_cache()
 
     assert engine.generate([LONG_PROMPT], greedy)[0][0].token_ids == before.token_ids
+
+
+def test_logprobs_takes_vllms_integer_form_without_inverting_it():
+    # In vLLM, logprobs=0 returns the sampled token's log-prob; as a plain bool it would have turned them off.
+    assert SamplingParams(logprobs=0).logprobs is True
+    assert SamplingParams(logprobs=None).logprobs is False
+    assert SamplingParams(logprobs=False).logprobs is False
+    with pytest.raises(ValueError, match=r"logprobs\n.*5 asks for each token's top-5 alternatives"):
+        SamplingParams(logprobs=5)

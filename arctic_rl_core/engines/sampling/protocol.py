@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Annotated, Iterable, Literal, Protocol
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 FinishReason = Literal["stop", "length", "abort"]
 
@@ -43,6 +43,21 @@ class SamplingParams(BaseModel):
         if isinstance(data, dict) and isinstance(data.get("stop"), str):
             data = {**data, "stop": [data["stop"]]}
         return data
+
+    @field_validator("logprobs", mode="before")
+    @classmethod
+    def _logprobs_in_vllms_form(cls, value):
+        """vLLM's integer form too: 0 is the sampled token's log-prob (true here), null none (false)."""
+        if value is None:
+            return False
+        if isinstance(value, int) and not isinstance(value, bool):
+            if value == 0:
+                return True
+            raise ValueError(
+                f"{value} asks for each token's top-{value} alternatives, which generate does not return; "
+                "expected true, false, 0 (the sampled token's log-prob, as vLLM counts) or null"
+            )
+        return value
 
     @property
     def greedy(self) -> bool:
