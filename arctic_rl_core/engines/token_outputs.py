@@ -46,6 +46,7 @@ def token_outputs(
     zorro=None,
     top_k: int = 0,
     cuda_graphs: bool = False,
+    agree_chunks: Callable[[int], int] | None = None,
 ) -> TokenOutputs:
     """Log-probs of ``input_ids[:, t+1]`` at every selected position t (and entropy there).
 
@@ -54,6 +55,7 @@ def token_outputs(
     ``zorro`` (a ZorroTrainConfig) packs shared prefixes when enabled.
     ``top_k`` > 0 also returns the k most likely next tokens and their log-probs.
     ``cuda_graphs`` replays the decoder layers as CUDA graphs where the shape repeats (with autograd on).
+    ``agree_chunks`` maps this rank's number of LM head chunks to the number to run (``selected_logprobs``).
     """
     metrics: dict[str, tuple[float, float]] = {}
     labels = torch.roll(input_ids, shifts=-1, dims=1)[select]  # before the forward: it waits for the GPU
@@ -82,7 +84,9 @@ def token_outputs(
         # The share of micro-batches whose layers replayed graphs: whether the option pays here.
         metrics["cuda_graphs/replayed"] = (float(replay_count(decoder_body(model)) - replays), 1.0)
     head = lm_head(model)
-    logprob_rows, entropy_rows, top = selected_logprobs(head, hidden, labels, post=post, entropy=entropy, top_k=top_k)
+    logprob_rows, entropy_rows, top = selected_logprobs(
+        head, hidden, labels, post=post, entropy=entropy, top_k=top_k, agree_chunks=agree_chunks
+    )
     logprobs = _scatter(logprob_rows, select)
     ent = _scatter(entropy_rows, select) if entropy_rows is not None else None
     out = TokenOutputs(logprobs, ent, metrics=metrics)
@@ -104,6 +108,7 @@ def selected_logprobs(
     post: Callable[[torch.Tensor], torch.Tensor] | None = None,
     entropy: EntropyMode = "none",
     top_k: int = 0,
+    agree_chunks: Callable[[int], int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, tuple[torch.Tensor, torch.Tensor] | None]:
     """``[N]`` log-probs of ``labels`` under ``head(hidden)`` (entropy and top-k as ``token_outputs`` asks).
 
@@ -112,14 +117,21 @@ def selected_logprobs(
     in backward instead of kept (one extra head matmul): a GRPO batch of 16K
     response tokens and a 152K vocabulary would otherwise hold 10 GB of bf16
     logits and their gradient.
+
+    ``agree_chunks`` maps this rank's number of chunks to the number it runs, chunks past its rows
+    being empty: under ZeRO-3 each head call is a collective weight gather (and its backward another,
+    with the gradient's reduction), so data-parallel ranks must all make the same calls.
     """
     weight = getattr(head, "weight", None)
     # ZeRO-3 partitions the weight; ``ds_shape`` keeps its full shape.
     vocab = (getattr(weight, "ds_shape", None) or weight.shape)[0] if weight is not None else 1
     rows = max(1, LOGIT_CHUNK_BYTES // (max(vocab, 1) * hidden.element_size()))
-    chunked = torch.is_grad_enabled() and hidden.shape[0] > rows
+    chunks = max(-(-hidden.shape[0] // rows), 1)  # one head call even without rows
+    if agree_chunks is not None:
+        chunks = agree_chunks(chunks)
+    chunked = torch.is_grad_enabled() and chunks > 1
     parts = []
-    for start in range(0, max(hidden.shape[0], 1), rows):
+    for start in range(0, chunks * rows, rows):
         args = (head, hidden[start : start + rows], labels[start : start + rows], post, entropy, top_k)
         parts.append(checkpoint(_chunk_outputs, *args, use_reentrant=False) if chunked else _chunk_outputs(*args))
     logprobs = torch.cat([p[0] for p in parts])

@@ -8,14 +8,10 @@ ZeRO-3 adds up the micro-batches' gradients only when told that each backward is
 
 from __future__ import annotations
 
-import queue
-import time
-
 import pytest
 import torch
-import torch.multiprocessing as mp
 
-from tests.conftest import free_port
+from tests.deepspeed_ranks import run_ranks
 
 pytestmark = pytest.mark.slow
 
@@ -59,26 +55,7 @@ def _rank(rank: int, port: int, model: str, results) -> None:
 
 @pytest.fixture(scope="module")
 def outcomes(tiny_model) -> dict:
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    port = free_port()
-    ranks = [ctx.Process(target=_rank, args=(r, port, tiny_model, results), daemon=True) for r in range(2)]
-    for process in ranks:
-        process.start()
-    got: dict = {}
-    deadline = time.monotonic() + DEADLINE_S
-    try:
-        while len(got) < 8 and time.monotonic() < deadline and not any(k[1] == "error" for k in got):
-            try:
-                rank, what, value = results.get(timeout=1)
-            except queue.Empty:
-                continue
-            got[(rank, what)] = value
-    finally:
-        for process in ranks:
-            process.kill()
-            process.join()
-    return got
+    return run_ranks(_rank, (tiny_model,), reports=8, deadline_s=DEADLINE_S)
 
 
 def _reference_grad_norm(model_path: str) -> float:

@@ -13,7 +13,7 @@ import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 
@@ -155,6 +155,7 @@ class DeepSpeedWorker:
             zorro=self.spec.training.zorro_train,
             top_k=top_k,
             cuda_graphs=self.spec.training.cuda_graphs,
+            agree_chunks=self._head_chunks,
         )
 
     def fwd_bwd(self, batch: RowBatch, call: LossCall) -> dict:
@@ -229,7 +230,13 @@ class DeepSpeedWorker:
         """A zero loss on a dummy row, through the modules a real pass runs: ZeRO-3 checks that ranks run the same."""
         ids = torch.zeros(1, 2, dtype=torch.long, device=self.device)
         select = torch.tensor([[True, False]], device=self.device)
-        return token_outputs(self.model, ids, torch.ones_like(ids), select).logprobs.sum() * 0.0
+        out = token_outputs(self.model, ids, torch.ones_like(ids), select, agree_chunks=self._head_chunks)
+        return out.logprobs.sum() * 0.0
+
+    @property
+    def _head_chunks(self) -> Callable[[int], int] | None:
+        """Under ZeRO-3 each LM head call gathers the head's weight: ranks run as many chunks as the busiest."""
+        return self._most_over_ranks if self._zero_stage == 3 else None
 
     def _begin_pass(self) -> None:
         """What ``engine.forward`` does first, which our forward (body and head, not ``engine(...)``) skips.
