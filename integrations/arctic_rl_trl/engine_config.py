@@ -26,7 +26,9 @@ def training_dtype(args: GRPOConfig) -> str:
 
 def training_config_from_grpo(args: GRPOConfig, max_steps: int) -> dict:
     """The ``training_config`` entries that GRPOConfig decides, for a run of ``max_steps`` optimizer steps."""
-    warmup_steps = args.get_warmup_steps(max_steps)
+    scheduler = enum_value(args.lr_scheduler_type)
+    # HF's "constant" schedule ignores warmup_steps; only "constant_with_warmup" ramps up.
+    warmup_steps = 0 if scheduler == "constant" else args.get_warmup_steps(max_steps)
     return {
         "optimizer": {
             "lr": args.learning_rate,
@@ -35,7 +37,7 @@ def training_config_from_grpo(args: GRPOConfig, max_steps: int) -> dict:
             "beta2": args.adam_beta2,
             "eps": args.adam_epsilon,
             "gradient_clipping": args.max_grad_norm,
-            "lr_scheduler_type": LR_SCHEDULERS[enum_value(args.lr_scheduler_type)],
+            "lr_scheduler_type": LR_SCHEDULERS[scheduler],
             "warmup_steps_proportion": min(1.0, warmup_steps / max_steps),
             "total_train_steps": max_steps,
         },

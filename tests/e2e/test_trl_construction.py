@@ -112,3 +112,29 @@ def test_grpo_config_sets_the_engine_optimizer_and_schedule(tmp_path):
     }  # fmt: skip
     assert config["gradient_checkpointing"] is True
     assert config["dtype"] == "float32"
+
+
+def test_constant_schedule_ignores_warmup_as_hf_does(tmp_path):
+    """HF's "constant" schedule has no warmup whatever warmup_steps says; the engine's must not ramp either."""
+    import torch
+    from transformers import get_scheduler
+
+    from arctic_rl_core.config import OptimizerConfig
+    from arctic_rl_core.engines.training.deepspeed_setup import lr_multiplier
+
+    steps = 20
+    args = grpo_args(tmp_path, lr_scheduler_type="constant", warmup_steps=5)
+    engine = lr_multiplier(OptimizerConfig(**training_config_from_grpo(args, max_steps=steps)["optimizer"]))
+    optimizer = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0)
+    hf = get_scheduler(args.lr_scheduler_type, optimizer, args.get_warmup_steps(steps), steps)
+    assert [engine(step) for step in range(steps)] == [hf.lr_lambdas[0](step) for step in range(steps)]
+
+
+def test_disable_dropout_on_a_model_with_dropout_is_refused_by_name(tmp_path):
+    """TRL zeroes the dropout of its own copy; the engine's copy would keep it, so the option is refused."""
+    from transformers import GPT2Config
+
+    model = str(tmp_path / "tiny-gpt2")
+    GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64, resid_pdrop=0.1).save_pretrained(model)
+    with pytest.raises(UnsupportedGRPOOption, match=r"disable_dropout=True: the arctic training engine trains with"):
+        build(model, grpo_args(tmp_path, disable_dropout=True), arctic_config(model))
