@@ -112,6 +112,7 @@ class ArcticGRPOTrainer(GRPOTrainer):
                 trust_remote_code=init.get("trust_remote_code", args.trust_remote_code),
                 **({"revision": init["revision"]} if "revision" in init else {}),
             )
+        raise_problems(_dropout_problems(model, args))
         # beta=0 during GRPOTrainer.__init__ keeps it from loading a second copy of the policy as the reference.
         beta = args.beta
         args.beta = 0.0
@@ -382,6 +383,18 @@ def _argument_problems(model, deployment: ArcticRLClientConfig, optimizers, peft
          "optimizers=(None, None)"),
     ]  # fmt: skip
     return [Problem(option, value, fix) for option, value, refused, fix in rules if refused]
+
+
+def _dropout_problems(model, args: GRPOConfig) -> list[Problem]:
+    """``disable_dropout`` zeroes the driver's copy only; the engine trains the model as its config says."""
+    rates = sorted({m.p for m in model.modules() if isinstance(m, torch.nn.Dropout) and m.p > 0})
+    if not (args.disable_dropout and rates):
+        return []
+    fix = (
+        f"the arctic training engine trains with the model's dropout (rates {rates}); set disable_dropout=False, "
+        "or use a model whose config sets its dropout rates to 0"
+    )
+    return [Problem("disable_dropout", True, fix)]
 
 
 def _has_job(client: ArcticRLClient, kind: str) -> bool:
