@@ -12,7 +12,9 @@ abs    |log r|                 verl's "abs"
 verl's names are accepted for the same estimators: ``kl`` = k1, ``mse`` = k2,
 ``low_var_kl`` = k3. k3 follows verl 0.9.1's ``kl_penalty`` exactly, including
 its clamps: log r to [-20, 20] before the exponential, the estimate to
-[-10, 10] after it.
+[-10, 10] after it. ``k3_unclamped`` is the same formula without them, as TRL
+computes it: past an estimate of 10 (log r above about 2.6) the clamped one
+has no gradient, the unclamped one keeps pulling the policy back.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-KLEstimator = Literal["k1", "k2", "k3", "abs", "kl", "mse", "low_var_kl"]
+KLEstimator = Literal["k1", "k2", "k3", "k3_unclamped", "abs", "kl", "mse", "low_var_kl"]
 
 _CANONICAL = {"kl": "k1", "mse": "k2", "low_var_kl": "k3"}
 
@@ -40,4 +42,6 @@ def kl_estimate(logprobs: Tensor, ref_logprobs: Tensor, estimator: KLEstimator) 
     if name == "k3":
         log_ratio = log_ratio.clamp(-20.0, 20.0)
         return (torch.exp(log_ratio) - log_ratio - 1.0).clamp(-10.0, 10.0)
+    if name == "k3_unclamped":
+        return torch.exp(log_ratio) - log_ratio - 1.0
     raise ValueError(f"kl estimator {estimator!r} is not one of {KLEstimator.__args__}")

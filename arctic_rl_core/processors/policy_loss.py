@@ -65,7 +65,10 @@ class ClippedPolicyConfig(LossConfig):
         None, gt=1, description="Dual clip: for A < 0 the token loss is at most -A * clip_ratio_c. None: off."
     )
     kl_coef: float = Field(0.0, ge=0, description="Weight of the KL penalty to the reference policy.")
-    kl_estimator: KLEstimator = Field("k3", description="k1, k2, k3 or abs (verl's kl, mse, low_var_kl accepted).")
+    kl_estimator: KLEstimator = Field(
+        "k3",
+        description="k1, k2, k3 (clamped as verl), k3_unclamped (as TRL) or abs; verl's kl, mse, low_var_kl accepted.",
+    )
     entropy_coef: float = Field(0.0, description="Entropy bonus: the loss decreases by entropy_coef * entropy.")
     loss_agg_mode: AggMode = "token-mean"
     behav_imp_weight_cap: float | None = Field(

@@ -97,7 +97,7 @@ class LossMapping:
             "eps_clip": self.epsilon,
             "eps_clip_high": self.epsilon_high,
             "kl_coef": self.beta * scale,
-            "kl_estimator": "k3",
+            "kl_estimator": "k3_unclamped",  # TRL's k3 has none of verl's clamps
             "loss_agg_mode": self.aggregation,
         }
         if self.delta is not None:

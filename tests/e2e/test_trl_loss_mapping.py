@@ -34,6 +34,7 @@ CASES = {
         loss_type="dapo", beta=0.05, use_bias_correction_kl=False, entropy_coef=0.01, epsilon_high=0.28
     ),
     "grpo-kl": dict(loss_type="grpo", beta=0.04, use_bias_correction_kl=False, gradient_accumulation_steps=2),
+    "grpo-kl-far-reference": dict(loss_type="grpo", beta=0.04, use_bias_correction_kl=False),
     "bnpo-entropy": dict(loss_type="bnpo", entropy_coef=0.02, gradient_accumulation_steps=2),
     "dr_grpo-delta-temperature": dict(loss_type="dr_grpo", delta=1.5, epsilon=0.1, temperature=0.7),
     "dapo-token-truncate-is": dict(
@@ -43,9 +44,13 @@ CASES = {
         loss_type="grpo", vllm_importance_sampling_mode="sequence_mask", vllm_importance_sampling_clip_max=1.5
     ),
 }
+# Reference log-probs this far above the policy's put k3 past verl's clamp at 10 (TRL's k3 has no clamp).
+REFERENCE_SHIFT = {"grpo-kl-far-reference": 4.0}
 
 
-def trl_micro_batch(model_path: str, output_dir, options: dict) -> tuple[GRPOTrainer, dict]:
+def trl_micro_batch(
+    model_path: str, output_dir, options: dict, reference_shift: float = 0.0
+) -> tuple[GRPOTrainer, dict]:
     accumulation = options.get("gradient_accumulation_steps", 1)
     args = GRPOConfig(
         output_dir=str(output_dir),
@@ -75,7 +80,8 @@ def trl_micro_batch(model_path: str, output_dir, options: dict) -> tuple[GRPOTra
     # Off-policy old log-probs and a distinct reference, so clipping and the KL term act.
     inputs["old_per_token_logps"] = logps.detach() + 0.3 * torch.randn(logps.shape, generator=generator)
     if args.beta != 0.0:
-        inputs["ref_per_token_logps"] = logps.detach() + 0.5 * torch.randn(logps.shape, generator=generator)
+        noise = 0.5 * torch.randn(logps.shape, generator=generator)
+        inputs["ref_per_token_logps"] = logps.detach() + noise + reference_shift
     if "vllm_importance_sampling_mode" in options:
         sampler = inputs["old_per_token_logps"] + 0.2 * torch.randn(logps.shape, generator=generator)
         correction = ImportanceSamplingCorrection.from_args(args)
@@ -92,7 +98,7 @@ def gradients(model) -> torch.Tensor:
 
 @pytest.mark.parametrize("case", CASES)
 def test_arctic_grpo_loss_and_gradients_equal_trl(case, tiny_model, tmp_path):
-    trainer, inputs = trl_micro_batch(tiny_model, tmp_path, CASES[case])
+    trainer, inputs = trl_micro_batch(tiny_model, tmp_path, CASES[case], REFERENCE_SHIFT.get(case, 0.0))
     model = trainer.model
 
     model.zero_grad()

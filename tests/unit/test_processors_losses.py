@@ -161,6 +161,7 @@ KL_REF = [-1.0 + LN2, -1.0 - LN2]
         ("mse", [0.240227, 0.240227]),
         ("k3", [0.306853, 0.193147]),  # r - 1 - ln r for r = 2 and 1/2
         ("low_var_kl", [0.306853, 0.193147]),
+        ("k3_unclamped", [0.306853, 0.193147]),
         ("abs", [0.693147, 0.693147]),
     ],
 )
@@ -171,6 +172,15 @@ def test_kl_estimators_and_their_verl_aliases(estimator, expected):
 def test_k3_is_clamped_like_verl():
     # log r clamped to +-20 first, then the estimate to at most 10
     close(kl_estimate(torch.tensor([0.0, 0.0]), torch.tensor([30.0, -30.0]), "k3"), [10.0, 10.0])
+
+
+def test_k3_unclamped_keeps_its_value_and_gradient_past_verls_clamp():
+    # TRL's k3: logp = -5, ref = -1 gives e^4 - 4 - 1 = 49.6, and d/d logp = 1 - e^4 (clamped k3: 10, no gradient)
+    logprobs = torch.tensor([-5.0], requires_grad=True)
+    kl = kl_estimate(logprobs, torch.tensor([-1.0]), "k3_unclamped")
+    kl.sum().backward()
+    close(kl, [math.exp(4.0) - 5.0])
+    close(logprobs.grad, [1.0 - math.exp(4.0)])
 
 
 def test_grpo_kl_penalty_adds_kl_coef_times_the_mean_kl():
