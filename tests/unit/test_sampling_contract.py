@@ -94,6 +94,19 @@ def test_generate_returns_n_completions_per_prompt_in_prompt_order(engine):
     assert [c.token_ids for c in alone[0]] == [c.token_ids for c in results[1]]
 
 
+def test_greedy_decoding_with_n_above_one_returns_n_copies_of_the_greedy_completion(engine):
+    greedy = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+
+    results = engine.generate(PROMPTS[:2], greedy.model_copy(update={"n": 3}))
+
+    for prompt, completions in zip(PROMPTS[:2], results):
+        alone = engine.generate([prompt], greedy)[0][0]
+        assert [(c.token_ids, c.text, c.finish_reason) for c in completions] == [
+            (alone.token_ids, alone.text, alone.finish_reason)
+        ] * 3
+        assert all(len(c.logprobs) == len(c.token_ids) for c in completions)
+
+
 def test_same_seed_reproduces_completions_and_another_seed_changes_them(engine):
     params = SamplingParams(n=2, max_tokens=8, temperature=1.0, ignore_eos=True, seed=7)
 
@@ -104,6 +117,29 @@ def test_same_seed_reproduces_completions_and_another_seed_changes_them(engine):
     tokens = lambda results: [[c.token_ids for c in completions] for completions in results]  # noqa: E731
     assert tokens(first) == tokens(again)
     assert tokens(first) != tokens(other)
+
+
+@pytest.mark.parametrize("seed", [-1, 2**64 + 3])
+def test_any_integer_seed_reproduces_its_completions(engine, seed):
+    params = SamplingParams(n=2, max_tokens=6, ignore_eos=True, seed=seed)
+
+    first = engine.generate([PROMPTS[0]], params)[0]
+    again = engine.generate([PROMPTS[0]], params)[0]
+
+    assert [c.token_ids for c in first] == [c.token_ids for c in again]
+
+
+def test_neighbouring_seeds_share_no_completion(engine):
+    # RL runs often seed by step; seed s's second completion must not be seed s+1's first.
+    params = SamplingParams(n=2, max_tokens=6, ignore_eos=True)
+
+    seen = [
+        c.token_ids
+        for seed in (7, 8)
+        for c in engine.generate([PROMPTS[0]], params.model_copy(update={"seed": seed}))[0]
+    ]
+
+    assert len({tuple(ids) for ids in seen}) == 4
 
 
 def test_stop_string_ends_the_completion_and_is_left_out_of_the_text(engine):

@@ -132,6 +132,23 @@ def test_an_empty_prompt_is_rejected_by_index(backend):
         backend.generate([PROMPT, []], GREEDY)
 
 
+def test_a_prompt_without_room_for_one_token_is_rejected_by_index(backend):
+    # max_model_len is 512: a prompt of 512 tokens leaves no room for the completion.
+    with pytest.raises(ValueError, match=r"prompt_token_ids\[1\] has 512 tokens; expected at most 511"):
+        backend.generate([PROMPT, list(range(512))], GREEDY)
+
+
+def test_a_token_id_outside_the_vocabulary_is_rejected_by_index(backend):
+    with pytest.raises(ValueError, match=r"prompt_token_ids\[1\] holds \[5000, -1\]; expected ints in \[0, 1024\)"):
+        backend.generate([PROMPT, [5, 5000, 6, -1]], GREEDY)
+
+
+def test_sampling_params_vllm_refuses_are_a_value_error_naming_the_field(backend):
+    # vLLM's VLLMValidationError is no ValueError: left as it is, the server answers 500, not 400.
+    with pytest.raises(ValueError, match=r"sampling_params.temperature=3.0: .*\[0, 2\]"):
+        backend.generate([PROMPT], SamplingParams(temperature=3.0))
+
+
 def test_a_second_engine_in_the_same_process_is_refused(backend, model_path):
     from arctic_rl_core.engines.sampling.vllm import VLLMBackend
 

@@ -129,3 +129,15 @@ def test_attention_mask_with_a_hole_is_rejected(engine):
 def test_completions_must_pair_with_prompts(engine):
     with pytest.raises(ValueError, match="completions has 1 entries for 2 prompts"):
         engine.log_probs(["a", "b"], ["c"])
+
+
+def test_a_sequence_without_room_for_vllms_one_generated_token_is_rejected(engine):
+    # vLLM scores a sequence by prefilling it and generating one token, so max_model_len (512) must exceed it.
+    ids = torch.arange(512).reshape(1, 512) % 1000
+    with pytest.raises(ValueError, match=r"token_ids\[0\] has 512 tokens; expected at most 511"):
+        engine.token_log_probs(ids, torch.ones_like(ids))
+
+
+def test_a_token_id_outside_the_vocabulary_is_a_value_error(engine):
+    with pytest.raises(ValueError, match=r"holds \[4096\]; expected ints in \[0, 1024\)"):
+        engine.token_log_probs(torch.tensor([[5, 4096, 7]]), torch.ones(1, 3, dtype=torch.long))

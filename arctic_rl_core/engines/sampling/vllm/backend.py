@@ -12,6 +12,7 @@ has no shutdown of its own).
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import math
 from dataclasses import dataclass
@@ -22,6 +23,8 @@ import torch
 from arctic_rl_core.engines.sampling.protocol import Completion, SamplingEngineOptions, SamplingParams
 from arctic_rl_core.engines.sampling.vllm import worker_ops
 from arctic_rl_core.engines.sampling.vllm.engine_args import check_platform, prepare_vllm_process, vllm_engine_kwargs
+
+_SEED_MULTIPLIER = 0x9E3779B97F4A7C15  # odd, so seeds distinct mod 2**63 stay distinct
 
 SLEEP_NEEDS_CUDA = "vLLM sleep mode needs CUDA; on CPU the engine keeps its weights and KV cache"
 
@@ -86,38 +89,46 @@ class VLLMBackend:
     def generate(self, prompt_token_ids: list[list[int]], params: SamplingParams) -> list[list[Completion]]:
         """``params.n`` completions for each prompt, in prompt order, with the log-prob of every sampled token."""
         self._check_ready()
-        _check_prompts(prompt_token_ids)
+        self._check_prompts("prompt_token_ids", prompt_token_ids)
         if not prompt_token_ids:
             return []
         from vllm import SamplingParams as VLLMSamplingParams
         from vllm.sampling_params import RequestOutputKind
 
-        vllm_params = VLLMSamplingParams(
-            n=params.n,
-            max_tokens=params.max_tokens,
-            min_tokens=params.min_tokens,
-            temperature=params.temperature,
-            top_p=params.top_p,
-            top_k=params.top_k if params.top_k_enabled else 0,
-            stop=list(params.stop) or None,
-            stop_token_ids=list(params.stop_token_ids) or None,
-            ignore_eos=params.ignore_eos,
-            seed=params.seed,
-            # 0: the sampled token's own log-prob and no alternatives.
-            logprobs=0 if params.logprobs else None,
-            include_stop_str_in_output=False,
-            output_kind=RequestOutputKind.FINAL_ONLY,
-        )
-        outputs = self.llm.generate(
-            [{"prompt_token_ids": list(ids)} for ids in prompt_token_ids], vllm_params, use_tqdm=False
-        )
-        return [[_completion(c, params.logprobs) for c in sorted(o.outputs, key=lambda c: c.index)] for o in outputs]
+        # vLLM refuses n > 1 with greedy sampling: it samples one completion, which stands for all n.
+        copies = params.n if params.greedy else 1
+        with _refusals_as_value_errors():
+            vllm_params = VLLMSamplingParams(
+                n=1 if params.greedy else params.n,
+                max_tokens=params.max_tokens,
+                min_tokens=params.min_tokens,
+                temperature=params.temperature,
+                top_p=params.top_p,
+                top_k=params.top_k if params.top_k_enabled else 0,
+                stop=list(params.stop) or None,
+                stop_token_ids=list(params.stop_token_ids) or None,
+                ignore_eos=params.ignore_eos,
+                seed=_vllm_seed(params.seed),
+                # 0: the sampled token's own log-prob and no alternatives.
+                logprobs=0 if params.logprobs else None,
+                include_stop_str_in_output=False,
+                output_kind=RequestOutputKind.FINAL_ONLY,
+            )
+            outputs = self.llm.generate(
+                [{"prompt_token_ids": list(ids)} for ids in prompt_token_ids], vllm_params, use_tqdm=False
+            )
+        return [
+            [_completion(c, params.logprobs) for c in sorted(o.outputs, key=lambda c: c.index) for _ in range(copies)]
+            for o in outputs
+        ]
 
     def prompt_logprobs(self, token_ids: list[list[int]], top_k: int) -> list[PromptLogProbs]:
         """Score each sequence's own tokens (all but the first) in one prefill, with ``top_k`` alternatives."""
         self._check_ready()
-        _check_prompts(token_ids)
-        max_logprobs = self.llm.llm_engine.model_config.max_logprobs
+        self._check_prompts("token_ids", token_ids)
+        model_config = self.llm.llm_engine.model_config
+        # -1 is vLLM's "no cap": as many as the vocabulary has.
+        max_logprobs = model_config.max_logprobs if model_config.max_logprobs != -1 else model_config.get_vocab_size()
         if not 0 <= top_k <= max_logprobs:
             raise ValueError(f"top_k must be in [0, {max_logprobs}] (vllm_config.max_logprobs), got {top_k}")
         if not token_ids:
@@ -133,7 +144,10 @@ class VLLMBackend:
             detokenize=False,
             output_kind=RequestOutputKind.FINAL_ONLY,
         )
-        outputs = self.llm.generate([{"prompt_token_ids": list(ids)} for ids in token_ids], vllm_params, use_tqdm=False)
+        with _refusals_as_value_errors():
+            outputs = self.llm.generate(
+                [{"prompt_token_ids": list(ids)} for ids in token_ids], vllm_params, use_tqdm=False
+            )
         return [_prompt_logprobs(list(ids), o.prompt_logprobs, top_k) for ids, o in zip(token_ids, outputs)]
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -235,6 +249,22 @@ class VLLMBackend:
         self._stale = set(self._hf_names_by_module)
         self._stale_reason = reason
 
+    def _check_prompts(self, field: str, prompt_token_ids: list[list[int]]) -> None:
+        """Each prompt non-empty, leaving room for one generated token, its ids in the model's vocabulary."""
+        model_config = self.llm.llm_engine.model_config
+        max_len, vocab = model_config.max_model_len, model_config.get_vocab_size()
+        for i, ids in enumerate(prompt_token_ids):
+            if len(ids) == 0:
+                raise ValueError(f"{field}[{i}] is empty; every prompt needs at least one token")
+            if len(ids) >= max_len:
+                raise ValueError(
+                    f"{field}[{i}] has {len(ids)} tokens; expected at most {max_len - 1}, so that one token fits "
+                    f"within max_model_len={max_len}"
+                )
+            bad = [t for t in ids if not 0 <= t < vocab]
+            if bad:
+                raise ValueError(f"{field}[{i}] holds {bad[:4]}; expected ints in [0, {vocab})")
+
     def _check_ready(self) -> None:
         if not hasattr(self, "llm"):
             raise RuntimeError("the vLLM engine was shut down")
@@ -254,10 +284,28 @@ class VLLMBackend:
             )
 
 
-def _check_prompts(prompt_token_ids: list[list[int]]) -> None:
-    for i, ids in enumerate(prompt_token_ids):
-        if len(ids) == 0:
-            raise ValueError(f"prompt_token_ids[{i}] is empty; every prompt needs at least one token")
+def _vllm_seed(seed: int | None) -> int | None:
+    """Our seed as vLLM's, whose completion i draws from ``seed + i``; -1 means unseeded to it, 2**64 overflows.
+
+    Spread by an odd 64-bit multiplier and kept below 2**63, any integer is a
+    valid seed and neighbouring seeds share no completion (without it, seed
+    s's completion 1 is seed s+1's completion 0).
+    """
+    if seed is None:
+        return None
+    return (seed * _SEED_MULTIPLIER) % 2**63
+
+
+@contextlib.contextmanager
+def _refusals_as_value_errors():
+    """vLLM's ``VLLMValidationError`` is no ``ValueError``; as one, the server answers 400 (the request), not 500."""
+    from vllm.exceptions import VLLMValidationError
+
+    try:
+        yield
+    except VLLMValidationError as error:
+        field = f"sampling_params.{error.parameter}={error.value!r}: " if error.parameter else ""
+        raise ValueError(f"{field}vLLM refused the request: {error.args[0]}") from error
 
 
 def _completion(output, with_logprobs: bool) -> Completion:
