@@ -50,6 +50,7 @@ def test_a_refused_prompt_fails_its_whole_call_and_nothing_of_it_runs(engine):
         for future in futures:
             with pytest.raises(ValueError, match=r"^prompt 1 of 3: prompt_token_ids is empty"):
                 future.result(timeout=60)
+        assert not loop.call(lambda e: e.has_unfinished())  # nothing in flight: sleep() may follow at once
         # The first prompt, added before the refusal, is aborted: the next call's step runs only its own.
         assert len(loop.submit([9, 10], params).result(timeout=60)[0].token_ids) == 4
         assert not loop.call(lambda e: e.has_unfinished())

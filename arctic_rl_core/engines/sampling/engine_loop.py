@@ -77,7 +77,9 @@ class EngineLoop:
             except Exception as exc:  # noqa: BLE001 - a bad request fails only its caller
                 for added_id in added:
                     self.engine.abort_request(added_id)
-                if len(prompts) > 1 and isinstance(exc, ValueError):
+                if added:
+                    self._step()  # aborts take effect at a step: leave nothing in flight (sleep() refuses that)
+                if len(prompts) > 1 and type(exc) is ValueError:  # a prompt's own fault: say which
                     exc = ValueError(f"prompt {index} of {len(prompts)}: {exc}")
                 for future in futures:
                     future.set_exception(exc)
