@@ -73,7 +73,7 @@ def test_outputs_equal_the_synchronous_loop_when_sequences_stop_at_different_ste
     requests = [
         (PROMPTS[0], seeded.model_copy(update={"ignore_eos": False, "stop_token_ids": stop})),
         (PROMPTS[1], SamplingParams(n=2, max_tokens=5, temperature=1.0, seed=9, ignore_eos=True)),
-        (PROMPTS[2], SamplingParams(max_tokens=11, temperature=0.0, ignore_eos=True, logprobs=1)),
+        (PROMPTS[2], SamplingParams(max_tokens=11, temperature=0.0, ignore_eos=True, logprobs=True)),
     ]
     late = (PROMPTS[1] + [400], SamplingParams(max_tokens=6, temperature=1.0, seed=2, ignore_eos=True))
     results = {}
