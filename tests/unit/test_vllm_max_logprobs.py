@@ -5,7 +5,6 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from arctic_rl_core.engines.sampling.protocol import SamplingEngineOptions
-from arctic_rl_core.models.tiny import TinySpec, build_tiny_model
 from tests.installed import require_vllm
 
 pytestmark = pytest.mark.vllm
@@ -13,28 +12,23 @@ require_vllm()
 
 
 @pytest.fixture(scope="module")
-def model_path(tmp_path_factory):
-    return build_tiny_model(tmp_path_factory.mktemp("tiny-qwen2"), TinySpec(family="qwen2"))
-
-
-@pytest.fixture(scope="module")
-def engine(model_path):
+def engine(tiny_model):
     from arctic_rl_core.engines.log_prob.vllm import VLLMLogProbEngine
 
     options = SamplingEngineOptions(
         device="cpu", max_model_len=512, extra={"kv_cache_memory_bytes": 128 << 20, "max_logprobs": -1}
     )
-    log_prob_engine = VLLMLogProbEngine(str(model_path), options)
+    log_prob_engine = VLLMLogProbEngine(tiny_model, options)
     yield log_prob_engine
     log_prob_engine.shutdown()
 
 
-def test_without_a_cap_top_k_may_exceed_vllms_default_of_20(engine, model_path):
+def test_without_a_cap_top_k_may_exceed_vllms_default_of_20(engine, tiny_model):
     ids = [9, 8, 7, 6, 5]
 
     out = engine.token_log_probs(torch.tensor([ids]), torch.ones(1, len(ids), dtype=torch.long), top_k=50)
 
-    hf_model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
+    hf_model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval()
     with torch.no_grad():
         reference = torch.log_softmax(hf_model(torch.tensor([ids])).logits[0], dim=-1)
     assert out["top_ids"].shape == (1, len(ids), 50)
