@@ -68,6 +68,20 @@ class SamplingParams(BaseModel):
         return self.top_k > 0
 
 
+def check_prompt(prompt: list[int], max_model_len: int, vocab_size: int, name: str = "prompt_token_ids") -> None:
+    """A prompt every backend can serve: non-empty, room for one generated token, ids in the vocabulary."""
+    if not prompt:
+        raise ValueError(f"{name} is empty; expected at least one token")
+    if len(prompt) >= max_model_len:
+        raise ValueError(
+            f"{name} has {len(prompt)} tokens; expected at most {max_model_len - 1}, so that one token fits "
+            f"within max_model_len={max_model_len}"
+        )
+    bad = [t for t in prompt if not isinstance(t, int) or not 0 <= t < vocab_size]
+    if bad:
+        raise ValueError(f"{name} holds {bad[:4]}; expected ints in [0, {vocab_size})")
+
+
 @dataclass
 class Completion:
     """One sampled continuation of a prompt."""

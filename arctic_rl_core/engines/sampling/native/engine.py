@@ -42,7 +42,7 @@ from arctic_rl_core.engines.sampling.native.sampler import SampledTokens, noise_
 from arctic_rl_core.engines.sampling.native.scheduler import Batch, Scheduler
 from arctic_rl_core.engines.sampling.native.sequence import Sequence
 from arctic_rl_core.engines.sampling.native.weights import WeightLoader, iter_checkpoint
-from arctic_rl_core.engines.sampling.protocol import Completion, SamplingEngineOptions, SamplingParams
+from arctic_rl_core.engines.sampling.protocol import Completion, SamplingEngineOptions, SamplingParams, check_prompt
 
 SLEEP_TAGS = ("weights", "kv_cache")
 _SEED_MULTIPLIER = 0x9E3779B97F4A7C15  # odd 64-bit constant: distinct seeds for a request's n completions
@@ -287,16 +287,7 @@ class NativeEngine:
         )
 
     def _check_prompt(self, prompt: list[int]) -> None:
-        if not prompt:
-            raise ValueError("prompt_token_ids is empty; expected at least one token")
-        if len(prompt) >= self.config.max_model_len:
-            raise ValueError(f"prompt_token_ids has {len(prompt)} tokens; expected at most "
-                             f"{self.config.max_model_len - 1}, so that one token fits within "
-                             f"max_model_len={self.config.max_model_len}")  # fmt: skip
-        vocab = self.config.spec.vocab_size
-        bad = [t for t in prompt if not isinstance(t, int) or not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"prompt_token_ids holds {bad[:4]}; expected ints in [0, {vocab})")
+        check_prompt(prompt, self.config.max_model_len, self.config.spec.vocab_size)
 
     # ---- SamplingBackend ------------------------------------------------------------------------------------
     def generate(self, prompt_token_ids: list[list[int]], params: SamplingParams) -> list[list[Completion]]:

@@ -20,7 +20,7 @@ from typing import Iterable
 
 import torch
 
-from arctic_rl_core.engines.sampling.protocol import Completion, SamplingEngineOptions, SamplingParams
+from arctic_rl_core.engines.sampling.protocol import Completion, SamplingEngineOptions, SamplingParams, check_prompt
 from arctic_rl_core.engines.sampling.vllm import worker_ops
 from arctic_rl_core.engines.sampling.vllm.engine_args import check_platform, prepare_vllm_process, vllm_engine_kwargs
 
@@ -250,20 +250,10 @@ class VLLMBackend:
         self._stale_reason = reason
 
     def _check_prompts(self, field: str, prompt_token_ids: list[list[int]]) -> None:
-        """Each prompt non-empty, leaving room for one generated token, its ids in the model's vocabulary."""
         model_config = self.llm.llm_engine.model_config
         max_len, vocab = model_config.max_model_len, model_config.get_vocab_size()
         for i, ids in enumerate(prompt_token_ids):
-            if len(ids) == 0:
-                raise ValueError(f"{field}[{i}] is empty; every prompt needs at least one token")
-            if len(ids) >= max_len:
-                raise ValueError(
-                    f"{field}[{i}] has {len(ids)} tokens; expected at most {max_len - 1}, so that one token fits "
-                    f"within max_model_len={max_len}"
-                )
-            bad = [t for t in ids if not 0 <= t < vocab]
-            if bad:
-                raise ValueError(f"{field}[{i}] holds {bad[:4]}; expected ints in [0, {vocab})")
+            check_prompt(ids, max_len, vocab, f"{field}[{i}]")
 
     def _check_ready(self) -> None:
         if not hasattr(self, "llm"):
