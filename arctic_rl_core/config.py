@@ -195,17 +195,37 @@ class OptimizerConfig(BaseModel):
     beta2: float = Field(0.999, ge=0, lt=1)
     eps: float = Field(1e-8, gt=0)
     gradient_clipping: float = Field(1.0, ge=0, description="Max global grad norm; 0 disables clipping.")
+    decay_norms_and_biases: bool = Field(
+        False,
+        description="Decay 1-D parameters (biases, norm weights) too, as verl's and SkyRL's AdamW do; by default "
+        "they are left undecayed, as in HF's Trainer.",
+    )
     lr_scheduler_type: Literal["constant", "linear", "cosine"] = "constant"
     warmup_steps_proportion: Optional[float] = Field(None, ge=0, le=1)
     warmup_ratio: Optional[float] = Field(None, ge=0, le=1, description="Alias of warmup_steps_proportion.")
+    warmup_steps: Optional[int] = Field(
+        None, ge=0, description="Warmup length in schedule steps; overrides warmup_steps_proportion."
+    )
     total_train_steps: int = Field(
-        1000, ge=1, description="Horizon of warmup and of linear/cosine decay, in steps: set it to your run's length."
+        1000,
+        ge=1,
+        description="Horizon of warmup and of linear/cosine decay, in schedule steps: set it to your run's length.",
     )
     min_lr_ratio: float = Field(0.0, ge=0, le=1, description="Floor of linear/cosine decay, as a fraction of lr.")
+    lr_schedule_interval: int = Field(
+        1,
+        ge=1,
+        description="Optimizer steps per schedule step. verl advances its schedule once per training step, over "
+        "all of that step's mini-batches: its adapter sets this to the optimizer steps per training step.",
+    )
 
     @property
-    def warmup_fraction(self) -> float:
-        return self.warmup_steps_proportion if self.warmup_steps_proportion is not None else (self.warmup_ratio or 0.0)
+    def num_warmup_steps(self) -> int:
+        """Warmup length in schedule steps: ``warmup_steps``, else the proportion of ``total_train_steps``."""
+        if self.warmup_steps is not None:
+            return self.warmup_steps
+        fraction = self.warmup_steps_proportion if self.warmup_steps_proportion is not None else self.warmup_ratio
+        return int(round((fraction or 0.0) * self.total_train_steps))
 
 
 class MicroBatchSpec(BaseModel):

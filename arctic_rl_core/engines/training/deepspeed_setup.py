@@ -54,8 +54,8 @@ def build_optimizer(params, config: OptimizerConfig, device: str) -> torch.optim
     for _, param in params:
         if not param.requires_grad:
             continue
-        # Biases and norm weights are not decayed (the usual AdamW recipe).
-        (no_decay if param.dim() < 2 else decay).append(param)
+        # Biases and norm weights are not decayed (HF Trainer's recipe) unless asked (verl's and SkyRL's).
+        (no_decay if param.dim() < 2 and not config.decay_norms_and_biases else decay).append(param)
     groups = [
         {"params": decay, "weight_decay": config.weight_decay},
         {"params": no_decay, "weight_decay": 0.0},
@@ -72,13 +72,20 @@ def build_optimizer(params, config: OptimizerConfig, device: str) -> torch.optim
 
 
 def lr_multiplier(config: OptimizerConfig):
-    """step -> multiplier of the base lr: linear warmup, then constant/linear/cosine decay."""
-    total = config.total_train_steps or 0
-    warmup = int(round(config.warmup_fraction * total))
+    """Optimizer step -> multiplier of the base lr: linear warmup, then constant/linear/cosine decay.
 
-    def at(step: int) -> float:
+    The formulas are HF's and verl's (``get_*_schedule_with_warmup``), so a
+    run moved onto arctic-rl keeps its learning rates: warmup ramps as
+    step / warmup from 0, and the schedule advances once every
+    ``lr_schedule_interval`` optimizer steps.
+    """
+    total = config.total_train_steps
+    warmup = config.num_warmup_steps
+
+    def at(optimizer_step: int) -> float:
+        step = optimizer_step // config.lr_schedule_interval
         if step < warmup:
-            return (step + 1) / (warmup + 1)
+            return step / warmup
         if config.lr_scheduler_type == "constant":
             return 1.0
         progress = min(1.0, (step - warmup) / max(1, total - warmup))
