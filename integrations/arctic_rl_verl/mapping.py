@@ -21,13 +21,13 @@ rollout.temperature                            ``temperature`` post-processor, p
 =============================================  ==============================================
 
 verl's optimizer settings (``actor.optim``) become the training engine's:
-AdamW with ``lr``, ``weight_decay``, ``betas``, ``clip_grad`` and a constant or
-cosine schedule with warmup (``lr_warmup_steps`` or ``lr_warmup_steps_ratio``)
-and ``min_lr_ratio``. arctic-rl advances the schedule at every optimizer step,
-verl at every training step, so the horizon is verl's
-``total_training_steps`` times the optimizer steps per training step
-(``train_batch_size / ppo_mini_batch_size * ppo_epochs``): warmup and decay
-span the same run, and with one mini-batch per step the two coincide.
+AdamW with ``lr``, ``weight_decay`` (on every parameter, as verl's AdamW),
+``betas``, ``clip_grad`` and a constant or cosine schedule with warmup
+(``lr_warmup_steps`` or ``lr_warmup_steps_ratio``) and ``min_lr_ratio``. verl
+advances its schedule once per training step, after all of that step's
+optimizer steps (``train_batch_size / ppo_mini_batch_size * ppo_epochs``), and
+so does the engine (``lr_schedule_interval``): every optimizer step runs at
+verl's learning rate.
 
 Everything else that would change the numbers is refused here, at startup,
 by a :class:`UnsupportedVerlSetting` that names the setting.
@@ -292,22 +292,25 @@ def optimizer_settings(optim, steps_per_training_step: int) -> dict:
         raise UnsupportedVerlSetting(
             f"{path}.num_cycles", optim.num_cycles, "arctic-rl's cosine is one half cycle (0.5)"
         )
+    if schedule == "cosine" and not optim.get("zero_indexed_step", True):
+        raise UnsupportedVerlSetting(f"{path}.zero_indexed_step", False, "true (the schedule counts from step 0)")
     total = optim.total_training_steps
-    warmup_steps = optim.get("lr_warmup_steps") or -1
     settings = {
         "lr": optim.lr,
         "weight_decay": optim.weight_decay,
+        "decay_norms_and_biases": True,
         "beta1": optim.betas[0],
         "beta2": optim.betas[1],
         "gradient_clipping": optim.grad_clip if optim.get("grad_clip") is not None else optim.clip_grad,
         "lr_scheduler_type": schedule,
         "min_lr_ratio": optim.get("min_lr_ratio") or 0.0,
+        "lr_schedule_interval": steps_per_training_step,
     }
     if total > 0:
-        settings["total_train_steps"] = total * steps_per_training_step
-        settings["warmup_steps_proportion"] = (
-            min(1.0, warmup_steps / total) if warmup_steps > 0 else optim.lr_warmup_steps_ratio
-        )
+        warmup_steps = optim.get("lr_warmup_steps") or -1
+        settings["total_train_steps"] = total
+        # verl's own count: lr_warmup_steps when positive, else the ratio's floor.
+        settings["warmup_steps"] = warmup_steps if warmup_steps > 0 else int(optim.lr_warmup_steps_ratio * total)
     return settings
 
 

@@ -11,12 +11,16 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 from hydra import compose, initialize_config_dir
 from verl.trainer.ppo.utils import need_critic, need_reference_policy
 from verl.utils.config import omega_conf_to_dataclass, validate_config
+from verl.workers.engine.fsdp.transformer_impl import FSDPEngine
 
+from arctic_rl_core.config import OptimizerConfig
+from arctic_rl_core.engines.training.deepspeed_setup import build_optimizer, lr_multiplier
 from arctic_rl_verl.config import ArcticActorConfig, ArcticEngineConfig
-from arctic_rl_verl.mapping import UnsupportedVerlSetting
+from arctic_rl_verl.mapping import UnsupportedVerlSetting, optimizer_settings
 
 RECIPE = Path(__file__).resolve().parents[2] / "recipes" / "gsm8k" / "verl"
 PATHS = [
@@ -71,6 +75,37 @@ def test_verl_clip_higher_and_token_tis_become_clip_bounds_and_a_behaviour_weigh
     assert actor.arctic.decoupled_ppo
 
 
+@pytest.mark.parametrize(
+    "schedule", [["lr_scheduler_type=cosine", "lr_warmup_steps_ratio=0.15", "min_lr_ratio=0.1"], ["lr_warmup_steps=4"]]
+)
+def test_every_optimizer_step_runs_at_verls_learning_rate(schedule):
+    """verl steps its scheduler once per training step, after all its mini-batches; the engine does the same."""
+    training_steps = 20
+    optim_path = "actor_rollout_ref.actor.optim"
+    actor = validated_actor(
+        "arctic_gsm8k", f"{optim_path}.total_training_steps={training_steps}", *(f"{optim_path}.{s}" for s in schedule)
+    )
+    per_step = actor.arctic.optimizer_steps_per_training_step
+    assert per_step == 4
+    settings = OptimizerConfig(**optimizer_settings(actor.optim, per_step))
+    model = torch.nn.Linear(2, 2)  # verl's AdamW decays every parameter, the bias too
+    decay = {id(p) for g in build_optimizer(model.named_parameters(), settings, "cpu").param_groups for p in g["params"]
+             if g["weight_decay"] == actor.optim.weight_decay > 0}  # fmt: skip
+    assert decay == {id(model.weight), id(model.bias)}
+
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=settings.lr)
+    verl_engine = FSDPEngine.__new__(FSDPEngine)  # only its scheduler factory runs: it reads optimizer_config
+    verl_engine.optimizer_config, verl_engine.rank = actor.optim, 1
+    verl = verl_engine._build_lr_scheduler(optimizer)
+    at = lr_multiplier(settings)
+    for training_step in range(training_steps):
+        for mini_batch in range(per_step):
+            step = training_step * per_step + mini_batch
+            assert settings.lr * at(step) == pytest.approx(optimizer.param_groups[0]["lr"], rel=1e-12, abs=1e-15), step
+            optimizer.step()
+        verl.step()
+
+
 REFUSED = {
     "algorithm.adv_estimator": ["algorithm.adv_estimator=gae"],
     "critic.enable": ["critic.enable=true"],
@@ -89,6 +124,10 @@ REFUSED = {
         "algorithm.rollout_correction.rollout_is_threshold=0.5_5.0",
     ],
     "actor_rollout_ref.actor.optim.optimizer": ["actor_rollout_ref.actor.optim.optimizer=AdamW8bit"],
+    "actor_rollout_ref.actor.optim.zero_indexed_step": [
+        "actor_rollout_ref.actor.optim.lr_scheduler_type=cosine",
+        "actor_rollout_ref.actor.optim.zero_indexed_step=false",
+    ],
 }
 
 
