@@ -25,7 +25,8 @@ PROTOCOLS = ("ray", "http")
 LOG_PROB_ENGINES = ("deepspeed", "vllm")
 ATTENTION = ("sdpa", "eager", "flash_attention_2", "flex_attention")
 
-# SkyRL scheduler names arctic's optimizer knows; warmup comes from optimizer_config.num_warmup_steps.
+# SkyRL scheduler names (HF's ``get_scheduler``) arctic's optimizer knows; warmup comes from
+# optimizer_config.num_warmup_steps, except for "constant", which ignores it in HF too.
 _SCHEDULERS = {"constant": "constant", "constant_with_warmup": "constant", "linear": "linear", "cosine": "cosine"}
 
 
@@ -188,7 +189,9 @@ def client_config(
             "gradient_clipping": optimizer.max_grad_norm,
             "lr_scheduler_type": scheduler,
             "total_train_steps": total_optimizer_steps,
-            "warmup_steps_proportion": min(1.0, optimizer.num_warmup_steps / total_optimizer_steps),
+            "warmup_steps": 0 if optimizer.scheduler == "constant" else optimizer.num_warmup_steps,
+            # SkyRL's FSDP AdamW decays every parameter, biases and norm weights included.
+            "decay_norms_and_biases": True,
         },
         "mb_spec": _micro_batch_spec(cfg, where.training_gpus),
         "zorro_train": {"enable": arctic.zorro_train},

@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import pytest
+import torch
+from transformers import get_scheduler
 
+from arctic_rl_core.config import OptimizerConfig
+from arctic_rl_core.engines.training.deepspeed_setup import lr_multiplier
 from arctic_rl_skyrl.config import ArcticRLConfig, ArcticSkyRLTrainConfig, client_config, placement
 
 BASE = [
@@ -95,13 +99,32 @@ def test_client_config_carries_skyrl_optimizer_precision_and_schedule():
         "gradient_clipping": 0.5,
         "lr_scheduler_type": "cosine",
         "total_train_steps": 50,
-        "warmup_steps_proportion": 0.1,
+        "warmup_steps": 5,
+        "decay_norms_and_biases": True,
     }
     assert config.training_config["dtype"] == "float32"
     assert config.training_config["zorro_train"] == {"enable": True}
     assert config.ds_config == {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}
     assert config.model_name == "/models/tiny"
     assert config.comm_protocol == "ray" and config.log_prob_engine == "deepspeed"
+
+
+@pytest.mark.parametrize("scheduler", ["constant", "constant_with_warmup", "linear", "cosine"])
+def test_learning_rates_equal_skyrl_schedulers(scheduler):
+    """Every optimizer step's lr equals SkyRL's own scheduler (HF's get_scheduler, stepped per optimizer step)."""
+    total, warmup = 24, 5
+    cfg = parse(
+        f"trainer.policy.optimizer_config.scheduler={scheduler}",
+        f"trainer.policy.optimizer_config.num_warmup_steps={warmup}",
+    )
+    settings = OptimizerConfig(**client_config(cfg, total_optimizer_steps=total).training_config["optimizer"])
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=settings.lr)
+    skyrl = get_scheduler(scheduler, optimizer, num_warmup_steps=warmup, num_training_steps=total)
+    at = lr_multiplier(settings)
+    for step in range(total):
+        assert settings.lr * at(step) == pytest.approx(optimizer.param_groups[0]["lr"], rel=1e-12, abs=1e-15), step
+        optimizer.step()
+        skyrl.step()
 
 
 def test_micro_batches_follow_skyrl_micro_batch_size_per_rank():
