@@ -38,7 +38,7 @@ def training_config_from_grpo(args: GRPOConfig, max_steps: int) -> dict:
             "eps": args.adam_epsilon,
             "gradient_clipping": args.max_grad_norm,
             "lr_scheduler_type": LR_SCHEDULERS[scheduler],
-            "warmup_steps_proportion": min(1.0, warmup_steps / max_steps),
+            "warmup_steps": warmup_steps,
             "total_train_steps": max_steps,
         },
         "gradient_checkpointing": bool(args.gradient_checkpointing),

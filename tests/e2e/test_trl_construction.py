@@ -108,14 +108,15 @@ def test_grpo_config_sets_the_engine_optimizer_and_schedule(tmp_path):
     config = training_config_from_grpo(args, max_steps=20)
     assert config["optimizer"] == {
         "lr": 3e-6, "weight_decay": 0.1, "beta1": 0.9, "beta2": 0.98, "eps": 1e-8, "gradient_clipping": 0.5,
-        "lr_scheduler_type": "cosine", "warmup_steps_proportion": 0.1, "total_train_steps": 20,
+        "lr_scheduler_type": "cosine", "warmup_steps": 2, "total_train_steps": 20,
     }  # fmt: skip
     assert config["gradient_checkpointing"] is True
     assert config["dtype"] == "float32"
 
 
-def test_constant_schedule_ignores_warmup_as_hf_does(tmp_path):
-    """HF's "constant" schedule has no warmup whatever warmup_steps says; the engine's must not ramp either."""
+@pytest.mark.parametrize("schedule", ["constant", "constant_with_warmup", "linear", "cosine"])
+def test_learning_rates_equal_hf_schedulers(tmp_path, schedule):
+    """Each optimizer step's lr is HF's; "constant" has no warmup whatever warmup_steps says, as in HF."""
     import torch
     from transformers import get_scheduler
 
@@ -123,11 +124,11 @@ def test_constant_schedule_ignores_warmup_as_hf_does(tmp_path):
     from arctic_rl_core.engines.training.deepspeed_setup import lr_multiplier
 
     steps = 20
-    args = grpo_args(tmp_path, lr_scheduler_type="constant", warmup_steps=5)
+    args = grpo_args(tmp_path, lr_scheduler_type=schedule, warmup_steps=5)
     engine = lr_multiplier(OptimizerConfig(**training_config_from_grpo(args, max_steps=steps)["optimizer"]))
     optimizer = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0)
     hf = get_scheduler(args.lr_scheduler_type, optimizer, args.get_warmup_steps(steps), steps)
-    assert [engine(step) for step in range(steps)] == [hf.lr_lambdas[0](step) for step in range(steps)]
+    assert [engine(step) for step in range(steps)] == pytest.approx([hf.lr_lambdas[0](step) for step in range(steps)])
 
 
 def test_disable_dropout_on_a_model_with_dropout_is_refused_by_name(tmp_path):
