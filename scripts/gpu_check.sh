@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# The GPU machine's checks, in calls of at most 10 minutes each; every log lands in $OUT (else ./gpu-out).
+#
+#   bash scripts/gpu_check.sh tests     # tests/gpu: kernels, native engine, sleep modes, weight sync (~5 min)
+#   bash scripts/gpu_check.sh bench     # sampling.py, fca.py, fca_sweep.py --quick (~8 min)
+#   bash scripts/gpu_check.sh profile   # decode_profile.py, decode_linear.py --chain-only, fca_sweep.py
+#
+# On the device machine, from the project root: `source .whl/setup.sh && bash scripts/gpu_check.sh tests`.
+# Each step has its own time limit, so one slow step still leaves the others' logs; summary.txt lists
+# every step's exit code and seconds.
+set -uo pipefail
+out=${OUT:-gpu-out}
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1
+
+step() {  # step NAME LIMIT_S COMMAND...
+  local name=$1 limit=$2
+  shift 2
+  local start=$SECONDS
+  timeout --kill-after=10 "$limit" "$@" >"$out/$name.log" 2>&1
+  local rc=$?
+  printf '%-22s rc %3d  %4d s  %s\n' "$name" "$rc" "$((SECONDS - start))" "$*" | tee -a "$out/summary.txt"
+}
+
+{ date -u; git log -1 --format='%h %s' 2>/dev/null; nvidia-smi --query-gpu=name,memory.total,clocks.max.sm \
+  --format=csv 2>&1; } >"$out/summary.txt"
+
+case "${1:-}" in
+  tests)
+    step gpu-tests 560 python3 -m pytest -q -p no:cacheprovider -rs tests/gpu --junitxml="$out/gpu-tests.xml"
+    ;;
+  bench)
+    step sampling 170 python3 benchmarks/sampling.py
+    step fca 230 python3 benchmarks/fca.py
+    step fca-sweep-quick 150 python3 benchmarks/fca_sweep.py --quick
+    ;;
+  profile)
+    step decode-profile 150 python3 benchmarks/decode_profile.py
+    step decode-linear-chain 120 python3 benchmarks/decode_linear.py --chain-only
+    step fca-sweep 300 python3 benchmarks/fca_sweep.py
+    ;;
+  *)
+    echo "usage: bash scripts/gpu_check.sh tests|bench|profile" >&2
+    exit 2
+    ;;
+esac
+cat "$out/summary.txt"
