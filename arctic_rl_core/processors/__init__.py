@@ -18,7 +18,7 @@ Importing this package registers the built-in losses: ``grpo`` (aliases
 4. Sum losses, metric (sum, weight) pairs and maxima over micro-batches and ranks.
 """
 
-from arctic_rl_core.processors.aggregation import AggMode, aggregate
+from arctic_rl_core.processors.aggregation import AggMode, AggregatedLossConfig, aggregate
 from arctic_rl_core.processors.base import (
     BatchValidationError,
     LossConfig,
@@ -54,6 +54,7 @@ from arctic_rl_core.processors.sft import SFTConfig, sft_loss
 
 __all__ = [
     "AggMode",
+    "AggregatedLossConfig",
     "BatchValidationError",
     "CONTEXT_LAYOUTS",
     "ClippedPolicyConfig",

@@ -13,18 +13,35 @@ seq-mean-token-sum-norm     sum of token losses / (global_seqs * horizon)   (Dr.
 ==========================  ==============================================================
 
 The seq-mean modes assume a sequence is never split across micro-batches.
+``global_seqs`` counts the call's sequences with at least one loss token; a
+loss config's ``num_sequences`` replaces it, for frameworks that divide by
+their mini-batch size, rows whose loss tokens were all masked out included
+(verl, SkyRL).
 """
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Literal, Optional
 
 import torch
+from pydantic import Field
 from torch import Tensor
 
-from arctic_rl_core.processors.base import LossInputs
+from arctic_rl_core.processors.base import LossConfig, LossInputs
 
 AggMode = Literal["token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
+
+
+class AggregatedLossConfig(LossConfig):
+    """Config of a loss that reduces per-token values by ``loss_agg_mode``."""
+
+    loss_agg_mode: AggMode = "token-mean"
+    num_sequences: Optional[int] = Field(
+        None,
+        ge=1,
+        description="What the seq-mean modes divide by: the framework's mini-batch size (verl's global_batch_size, "
+        "SkyRL's mini-batch rows). None: the call's sequences with at least one loss token.",
+    )
 
 
 def _positive(count: float) -> float:
@@ -32,20 +49,24 @@ def _positive(count: float) -> float:
     return count if count > 0 else 1.0
 
 
-def aggregate(values: Tensor, inputs: LossInputs, mode: AggMode) -> Tensor:
-    """This micro-batch's share of ``values`` ([B, T] per-token losses) reduced over the call by ``mode``."""
+def aggregate(values: Tensor, inputs: LossInputs, mode: AggMode, num_sequences: int | None = None) -> Tensor:
+    """This micro-batch's share of ``values`` ([B, T] per-token losses) reduced over the call by ``mode``.
+
+    The seq-mean modes divide by ``num_sequences`` when given, else by ``inputs.global_seqs``.
+    """
     masked = values * inputs.mask
+    seqs = _positive(float(num_sequences) if num_sequences is not None else inputs.global_seqs)
     if mode == "token-mean":
         return masked.sum() / _positive(inputs.global_tokens)
     if mode == "token-sum":
         return masked.sum()
     if mode == "seq-mean-token-sum":
-        return masked.sum() / _positive(inputs.global_seqs)
+        return masked.sum() / seqs
     if mode == "seq-mean-token-mean":
         per_seq = masked.sum(-1) / inputs.mask.sum(-1).clamp_min(1.0)
-        return per_seq.sum() / _positive(inputs.global_seqs)
+        return per_seq.sum() / seqs
     if mode == "seq-mean-token-sum-norm":
-        return masked.sum() / (_positive(inputs.global_seqs) * inputs.horizon)
+        return masked.sum() / (seqs * inputs.horizon)
     raise ValueError(f"loss_agg_mode={mode!r} is not one of {AggMode.__args__}")
 
 

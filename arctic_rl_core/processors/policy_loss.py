@@ -8,7 +8,11 @@ Clipped surrogate, per loss token, with r = pi / pi_anchor and advantage A::
     loss = max(-A * r, -A * clip(r, 1 - eps_clip, 1 + eps_clip_high))
     if clip_ratio_c and A < 0:  loss = min(loss, -A * clip_ratio_c)         (dual clip)
     loss *= w                                                              (decoupled PPO)
-    total = agg(loss) + kl_coef * agg(KL(pi || pi_ref)) - entropy_coef * agg(H)
+    total = agg(loss) + kl_coef * agg_kl(KL(pi || pi_ref)) - entropy_coef * agg_H(H)
+
+``agg`` is ``loss_agg_mode``; the KL and entropy terms use it too unless
+``kl_agg_mode`` / ``entropy_agg_mode`` say otherwise (SkyRL reduces them in
+fixed modes of their own).
 
 The anchor is the first present of ``prox_logp_shifted``, ``old_log_probs_shifted``,
 and the detached current log-probs. Without old log-probs (pure on-policy,
@@ -42,8 +46,15 @@ import torch
 from pydantic import Field
 from torch import Tensor
 
-from arctic_rl_core.processors.aggregation import AggMode, aggregate, masked_max, share_metric, token_mean_metric
-from arctic_rl_core.processors.base import LossConfig, LossInputs, LossOutput
+from arctic_rl_core.processors.aggregation import (
+    AggMode,
+    AggregatedLossConfig,
+    aggregate,
+    masked_max,
+    share_metric,
+    token_mean_metric,
+)
+from arctic_rl_core.processors.base import LossInputs, LossOutput
 from arctic_rl_core.processors.kl import KLEstimator, kl_estimate
 from arctic_rl_core.processors.registry import register_loss
 
@@ -52,7 +63,7 @@ MAX_LOG_RATIO = 20.0
 Metrics = dict[str, tuple[Tensor, Tensor]]
 
 
-class ClippedPolicyConfig(LossConfig):
+class ClippedPolicyConfig(AggregatedLossConfig):
     """Config of ``grpo``: PPO's clipped surrogate with GRPO's defaults (no dual clip)."""
 
     eps_clip: float = Field(
@@ -70,7 +81,12 @@ class ClippedPolicyConfig(LossConfig):
         description="k1, k2, k3 (clamped as verl), k3_unclamped (as TRL) or abs; verl's kl, mse, low_var_kl accepted.",
     )
     entropy_coef: float = Field(0.0, description="Entropy bonus: the loss decreases by entropy_coef * entropy.")
-    loss_agg_mode: AggMode = "token-mean"
+    kl_agg_mode: AggMode | None = Field(
+        None, description="Aggregation of the KL term. None: loss_agg_mode (verl); SkyRL: seq-mean-token-mean."
+    )
+    entropy_agg_mode: AggMode | None = Field(
+        None, description="Aggregation of the entropy term. None: loss_agg_mode (verl); SkyRL: token-mean."
+    )
     behav_imp_weight_cap: float | None = Field(
         None, gt=0, description="Bound of the behaviour weight pi_prox / pi_old in decoupled PPO. None: unbounded."
     )
@@ -100,11 +116,9 @@ class PPOConfig(ClippedPolicyConfig):
     )
 
 
-class ImportanceSamplingConfig(LossConfig):
+class ImportanceSamplingConfig(AggregatedLossConfig):
     """Config of ``importance_sampling``. ``token-sum`` reproduces Tinker's loss exactly; the default
     ``token-mean`` divides it by the call's loss tokens so the step size does not grow with the batch."""
-
-    loss_agg_mode: AggMode = "token-mean"
 
     def required_context(self) -> frozenset[str]:
         return frozenset({"advantages", "old_log_probs_shifted"})
@@ -167,7 +181,10 @@ def clipped_policy_loss(inputs: LossInputs, config: ClippedPolicyConfig) -> Loss
         token_loss = token_loss * weight
         metrics["behav_imp_weight"] = token_mean_metric(weight, mask)
 
-    pg_loss = aggregate(token_loss, inputs, config.loss_agg_mode)
+    def agg(values: Tensor, mode: AggMode | None = None) -> Tensor:
+        return aggregate(values, inputs, mode or config.loss_agg_mode, config.num_sequences)
+
+    pg_loss = agg(token_loss)
     metrics["pg_loss"] = share_metric(pg_loss, inputs)
     loss = pg_loss
 
@@ -175,12 +192,12 @@ def clipped_policy_loss(inputs: LossInputs, config: ClippedPolicyConfig) -> Loss
         kl = kl_estimate(logprobs, inputs.per_token("ref_log_probs_shifted"), config.kl_estimator)
         metrics["kl"] = token_mean_metric(kl, mask)
         if config.kl_coef > 0:
-            loss = loss + config.kl_coef * aggregate(kl, inputs, config.loss_agg_mode)
+            loss = loss + config.kl_coef * agg(kl, config.kl_agg_mode)
 
     if config.entropy_coef != 0:
         if inputs.entropy is None:
             raise RuntimeError(f"entropy_coef={config.entropy_coef} needs entropy, but the engine passed none")
-        loss = loss - config.entropy_coef * aggregate(inputs.entropy.float(), inputs, config.loss_agg_mode)
+        loss = loss - config.entropy_coef * agg(inputs.entropy.float(), config.entropy_agg_mode)
 
     return LossOutput(loss=loss, metrics=metrics, maxima={"ratio_max": masked_max(ratio, mask)})
 
@@ -204,6 +221,6 @@ def importance_sampling_loss(inputs: LossInputs, config: ImportanceSamplingConfi
     """Off-policy REINFORCE with importance weights, as Tinker defines it: -(pi / pi_old) * A per token."""
     log_ratio = _log_ratio(inputs.logprobs.float(), inputs.per_token("old_log_probs_shifted"))
     ratio = log_ratio.exp()
-    pg_loss = aggregate(-ratio * inputs.per_token("advantages"), inputs, config.loss_agg_mode)
+    pg_loss = aggregate(-ratio * inputs.per_token("advantages"), inputs, config.loss_agg_mode, config.num_sequences)
     metrics = {**_ratio_metrics(ratio, log_ratio, inputs), "pg_loss": share_metric(pg_loss, inputs)}
     return LossOutput(loss=pg_loss, metrics=metrics, maxima={"ratio_max": masked_max(ratio, inputs.mask)})

@@ -11,13 +11,13 @@ perplexity) and ``entropy`` when computed.
 
 from __future__ import annotations
 
-from arctic_rl_core.processors.aggregation import AggMode, aggregate, token_mean_metric
-from arctic_rl_core.processors.base import LossConfig, LossInputs, LossOutput
+from arctic_rl_core.processors.aggregation import AggregatedLossConfig, aggregate, token_mean_metric
+from arctic_rl_core.processors.base import LossInputs, LossOutput
 from arctic_rl_core.processors.registry import register_loss
 
 
-class SFTConfig(LossConfig):
-    loss_agg_mode: AggMode = "token-mean"
+class SFTConfig(AggregatedLossConfig):
+    pass
 
 
 @register_loss("sft", config_model=SFTConfig)
@@ -26,4 +26,4 @@ def sft_loss(inputs: LossInputs, config: SFTConfig) -> LossOutput:
     metrics = {"nll": token_mean_metric(nll, inputs.mask)}
     if inputs.entropy is not None:
         metrics["entropy"] = token_mean_metric(inputs.entropy, inputs.mask)
-    return LossOutput(loss=aggregate(nll, inputs, config.loss_agg_mode), metrics=metrics)
+    return LossOutput(loss=aggregate(nll, inputs, config.loss_agg_mode, config.num_sequences), metrics=metrics)

@@ -217,8 +217,8 @@ class TrainingJob(DeepSpeedJob):
             global_seqs=float((loss_mask.sum(-1) > 0).sum()),
             horizon=int(batch.input_ids.shape[1]),
         )
-        if call.global_tokens == 0:
-            raise BadRequest("batch: the loss mask selects no tokens (check response_mask / loss_mask_shifted)")
+        # A call whose loss mask selects nothing (every response filtered out) still runs: its loss and
+        # gradients are 0 and step() may follow, as in verl and SkyRL.
         results = await self.call_each("fwd_bwd", [(shard, call) for shard in self.shards(rows)])
         return reduce_metrics(results)
 

@@ -154,3 +154,26 @@ def test_micro_batches_and_zero_2_leave_the_update_unchanged(client, tmp_path):
     one, four = checkpoint_weights(tmp_path / "whole"), checkpoint_weights(tmp_path / "split")
     for name, value in one.items():
         assert torch.allclose(four[name], value, rtol=0, atol=1e-6 * LR), name
+
+
+@on_the_http_server
+def test_a_call_whose_loss_mask_selects_nothing_trains_on_nothing_and_step_still_runs(client):
+    """Every response filtered out (SkyRL's zero-variance filter, say): loss 0, no update, and step() runs."""
+    batch = grpo_batch()
+    batch["context"]["response_mask"] = torch.zeros_like(batch["context"]["response_mask"])
+    forward = {"args": batch["args"], "kwargs": batch["kwargs"]}
+
+    async def filtered_step() -> tuple[dict, dict, torch.Tensor, torch.Tensor]:
+        other = create_arctic_rl_client(remote_config(client, training_gpus=1, training_config=SGD))
+        try:
+            before = (await other.fwd_no_grad(forward, reference_model=False))["log_probs_shifted"]
+            out = await other.fwd_bwd(batch, {"loss_fn": "grpo", "config": {"loss_agg_mode": "seq-mean-token-mean"}})
+            stepped = await other.step()
+            after = (await other.fwd_no_grad(forward, reference_model=False))["log_probs_shifted"]
+            return out, stepped, before, after
+        finally:
+            await other.shutdown()
+
+    out, stepped, before, after = run(filtered_step())
+    assert out["loss"] == 0.0 and stepped["grad_norm"] == 0.0
+    assert torch.equal(before, after)

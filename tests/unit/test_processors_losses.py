@@ -270,3 +270,38 @@ def test_loss_agg_modes(mode, expected, token_gradient):
     first_token_of_each_sequence = inputs.logprobs.grad[[0, 1], [0, 0]]
     close(first_token_of_each_sequence, token_gradient)
     assert inputs.logprobs.grad[2].abs().sum() == 0
+
+
+@pytest.mark.parametrize(
+    "mode, expected",
+    [("seq-mean-token-sum", (4 + 6) / 3), ("seq-mean-token-mean", (4 + 2) / 3), ("token-mean", 10 / 4)],
+)
+def test_num_sequences_counts_rows_without_loss_tokens_as_verl_and_skyrl_do(mode, expected):
+    """verl's agg_loss and SkyRL's reductions divide by the mini-batch size: sequence 2, fully masked, counts."""
+    from verl.trainer.ppo.core_algos import agg_loss
+
+    inputs = make_inputs(logprobs=AGG_LOGPROBS, mask=AGG_MASK)
+    output = run("sft", {"loss_agg_mode": mode, "num_sequences": 3}, inputs)
+    close(output.loss, expected)
+    nll = -torch.tensor(AGG_LOGPROBS)
+    verl = agg_loss(nll, torch.tensor(AGG_MASK, dtype=torch.float32), mode, global_batch_size=3, batch_num_tokens=4)
+    close(output.loss, float(verl))
+
+
+def test_kl_and_entropy_take_their_own_aggregation_modes():
+    """SkyRL: the policy term by loss_agg_mode, KL as a sequence mean of token means, entropy as a token mean."""
+    entropy = torch.tensor([[1.0, 2.0, 3.0], [5.0, 0.0, 0.0]])
+    mask = [[1, 1, 1], [1, 0, 0]]
+    ref = [[-1.0, -1.0, -1.0], [-1.0, 0.0, 0.0]]
+    logprobs = [[-1.0, -1.0, -1.0 + LN2], [-1.0 - LN2, 0.0, 0.0]]  # k1 per token: 0, 0, ln2; -ln2
+    config = {"kl_coef": 1.0, "kl_estimator": "k1", "entropy_coef": 1.0, "loss_agg_mode": "token-sum"}
+    inputs = make_inputs(
+        logprobs=logprobs, mask=mask, entropy=entropy, advantages=[0.0, 0.0], ref_log_probs_shifted=ref
+    )
+    mixed = run("grpo", {**config, "kl_agg_mode": "seq-mean-token-mean", "entropy_agg_mode": "token-mean"}, inputs)
+    kl = ((LN2 / 3) + (-LN2)) / 2
+    close(mixed.loss, kl - (1 + 2 + 3 + 5) / 4)
+    inputs = make_inputs(
+        logprobs=logprobs, mask=mask, entropy=entropy, advantages=[0.0, 0.0], ref_log_probs_shifted=ref
+    )
+    close(run("grpo", config, inputs).loss, (LN2 - LN2) - 11.0)  # both in token-sum, the policy term's mode
