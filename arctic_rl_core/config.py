@@ -229,7 +229,11 @@ class OptimizerConfig(BaseModel):
 
 
 class MicroBatchSpec(BaseModel):
-    """How a fwd_bwd batch is split: each micro-batch holds at most ``max_tokens_per_mb`` tokens."""
+    """How a batch is split: each micro-batch holds at most ``max_tokens_per_mb`` tokens (rows x longest row).
+
+    The budget bounds forward-only calls too (``fwd_no_grad``, reference log-probs); ``n_mbs`` is for
+    ``fwd_bwd`` only.
+    """
 
     model_config = ConfigDict(extra="ignore")
 

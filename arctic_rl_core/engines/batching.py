@@ -36,17 +36,21 @@ class RowBatch:
             {k: v[start:stop] for k, v in self.context.items()},
         )
 
-    def trimmed(self) -> "RowBatch":
-        """Drop columns that are padding in every row (positions come from the mask, so this is exact)."""
+    def used_columns(self) -> slice:
+        """The columns from the first to the last that is not padding in every row (all of them if none is)."""
         used = self.attention_mask.bool().any(0).nonzero()
         if used.numel() == 0:
-            return self
-        lo, hi = int(used[0]), int(used[-1]) + 1
-        if lo == 0 and hi == self.input_ids.shape[1]:
+            return slice(0, self.input_ids.shape[1])
+        return slice(int(used[0]), int(used[-1]) + 1)
+
+    def trimmed(self) -> "RowBatch":
+        """Drop columns that are padding in every row (positions come from the mask, so this is exact)."""
+        columns = self.used_columns()
+        if columns.start == 0 and columns.stop == self.input_ids.shape[1]:
             return self
 
         def cut(t: torch.Tensor) -> torch.Tensor:
-            return t[:, lo:hi] if t.dim() > 1 else t
+            return t[:, columns] if t.dim() > 1 else t
 
         return RowBatch(
             cut(self.input_ids),
@@ -91,6 +95,11 @@ def micro_batches(batch: RowBatch, max_tokens: int | None, min_count: int = 1) -
     At least ``min_count`` micro-batches (as many as there are rows, at most) come out: the heaviest
     ranges are halved until there are enough, and a part of a range never exceeds the range's budget.
     """
+    return [batch.select(a, b).trimmed() for a, b in micro_batch_rows(batch, max_tokens, min_count)]
+
+
+def micro_batch_rows(batch: RowBatch, max_tokens: int | None, min_count: int = 1) -> list[tuple[int, int]]:
+    """The (start, stop) row ranges of ``micro_batches``, none of them empty."""
     lengths = batch.attention_mask.sum(-1).tolist()
     count = max(1, min(min_count, batch.rows))
     if max_tokens is None:
@@ -110,4 +119,4 @@ def micro_batches(batch: RowBatch, max_tokens: int | None, min_count: int = 1) -
             )
             a, b = ranges[index]
             ranges[index : index + 1] = [(a + lo, a + hi) for lo, hi in contiguous_split(lengths[a:b], 2)]
-    return [batch.select(a, b).trimmed() for a, b in ranges if b > a]
+    return [(a, b) for a, b in ranges if b > a]

@@ -39,6 +39,12 @@ def _rank(rank: int, port: int, model: str, results) -> None:
         mask = torch.ones_like(mine)
         loss_mask = torch.zeros(len(mine), WIDTH)
         loss_mask[:, :-1] = 1
+        # Forward-only in micro-batches too (before any step): rank 0 runs 4 passes, rank 1 one and 3 joins.
+        shapes, forward = [], worker._outputs
+        worker._outputs = lambda part, *args, **kwargs: (shapes.append(list(part.input_ids.shape)), forward(part, *args, **kwargs))[1]  # fmt: skip
+        uneven = worker.fwd_no_grad(RowBatch(mine, mask), [], True)
+        worker._outputs = forward
+        results.put((rank, "fwd_no_grad micro-batched", (shapes, uneven["log_probs_shifted"])))
         call = LossCall("sft", {}, [], global_tokens=ROWS * (WIDTH - 1), global_seqs=ROWS, horizon=WIDTH)
         trained = worker.fwd_bwd(RowBatch(mine, mask, loss_mask, {}), call)
         results.put((rank, "fwd_bwd", trained["micro_batches"]))
@@ -55,7 +61,7 @@ def _rank(rank: int, port: int, model: str, results) -> None:
 
 @pytest.fixture(scope="module")
 def outcomes(tiny_model) -> dict:
-    return run_ranks(_rank, (tiny_model,), reports=8, deadline_s=DEADLINE_S)
+    return run_ranks(_rank, (tiny_model,), reports=10, deadline_s=DEADLINE_S)
 
 
 def _reference_grad_norm(model_path: str) -> float:
@@ -73,6 +79,20 @@ def test_zero3_fwd_bwd_with_uneven_micro_batches_finishes_with_the_whole_batch_g
     grad_norm = outcomes[(0, "step")]["grad_norm"]
     assert grad_norm == pytest.approx(_reference_grad_norm(tiny_model), rel=1e-4)
     assert outcomes[(0, "step")]["micro_batches"] + outcomes[(1, "step")]["micro_batches"] == 5
+
+
+def test_zero3_fwd_no_grad_in_uneven_micro_batches_finishes_with_the_whole_batch_log_probs(outcomes, tiny_model):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
+    ids = _batch()
+    with torch.no_grad():
+        expected = model(input_ids=ids).logits[:, :-1].log_softmax(-1).gather(-1, ids[:, 1:, None]).squeeze(-1)
+    (shapes0, got0), (shapes1, got1) = (outcomes[(r, "fwd_no_grad micro-batched")] for r in (0, 1))
+    assert shapes0 == [[1, WIDTH]] * 4 and shapes1 == [[1, WIDTH]]  # the 8-token budget: one row per pass
+    got = torch.cat([got0, got1])
+    torch.testing.assert_close(got[:, :-1], expected, rtol=1e-5, atol=1e-5)
+    assert (got[:, -1] == 0).all()
 
 
 def test_zero3_fwd_no_grad_with_fewer_rows_than_ranks_finishes(outcomes):

@@ -18,7 +18,7 @@ from typing import Callable, Iterator
 import torch
 
 from arctic_rl_core.config import TrainingConfig
-from arctic_rl_core.engines.batching import RowBatch, micro_batches
+from arctic_rl_core.engines.batching import RowBatch, micro_batch_rows, micro_batches
 from arctic_rl_core.engines.runtime import configure_process, device_memory, empty_device_cache, free_port
 from arctic_rl_core.engines.token_outputs import TokenOutputs, token_outputs
 from arctic_rl_core.engines.training.deepspeed_setup import build_ds_config, build_optimizer, lr_multiplier
@@ -264,27 +264,48 @@ class DeepSpeedWorker:
         if self._zero_stage == 3:
             self._dummy_loss()
 
+    def _forward_passes(self, batch: RowBatch) -> Iterator[tuple[tuple[slice, slice], RowBatch, torch.Tensor] | None]:
+        """A forward-only call in micro-batches of ``mb_spec.max_tokens_per_mb``: (rows, columns), part, select.
+
+        Its activations and LM-head outputs then take no more memory than a training micro-batch's.
+        Under ZeRO-3 every pass gathers the parameters, so each rank runs as many passes as the
+        busiest one: ``None`` marks a pass with no rows of this rank's, which joins the gathers.
+        """
+        ranges = micro_batch_rows(batch, self.spec.training.mb_spec.max_tokens_per_mb) if batch.rows else []
+        passes = self._most_over_ranks(len(ranges)) if self._zero_stage == 3 else len(ranges)
+        for index in range(passes):
+            if index >= len(ranges):
+                self._join_gathers()
+                yield None
+                continue
+            rows = slice(*ranges[index])
+            part = batch.select(rows.start, rows.stop)
+            columns = part.used_columns()
+            part = part.trimmed().to(self.device)
+            mask = part.attention_mask.bool()
+            select = torch.zeros_like(mask)
+            select[:, :-1] = mask[:, :-1] & mask[:, 1:]
+            yield (rows, columns), part, select
+
     @torch.no_grad()
     def token_log_probs(self, batch: RowBatch, top_k: int) -> dict:
         """Shifted log-probs [B, T] plus the top-k alternatives [B, T, k] at every scored position."""
         self._require_awake("log_probs", (LP,))
         self.engine.eval()
-        if not batch.rows:  # fewer sequences than ranks
-            self._join_gathers()
-            rows, length = batch.input_ids.shape
-            empty = {"log_probs_shifted": torch.zeros(rows, length)}
-            if top_k:
-                empty["top_ids"] = torch.zeros(rows, length, top_k, dtype=torch.long)
-                empty["top_log_probs"] = torch.zeros(rows, length, top_k)
-            return empty
-        batch = batch.to(self.device)
-        mask = batch.attention_mask.bool()
-        select = torch.zeros_like(mask)
-        select[:, :-1] = mask[:, :-1] & mask[:, 1:]
-        out = self._outputs(batch, select, [], "none", top_k=top_k)
-        result = {"log_probs_shifted": out.logprobs.cpu()}
+        rows, length = batch.input_ids.shape
+        result = {"log_probs_shifted": torch.zeros(rows, length)}
         if top_k:
-            result["top_ids"], result["top_log_probs"] = out.top_ids.cpu(), out.top_logprobs.cpu()
+            result["top_ids"] = torch.zeros(rows, length, top_k, dtype=torch.long)
+            result["top_log_probs"] = torch.zeros(rows, length, top_k)
+        for current in self._forward_passes(batch):
+            if current is None:
+                continue
+            window, part, select = current
+            out = self._outputs(part, select, [], "none", top_k=top_k)
+            result["log_probs_shifted"][window] = out.logprobs.float().cpu()
+            if top_k:
+                result["top_ids"][window] = out.top_ids.cpu()
+                result["top_log_probs"][window] = out.top_logprobs.float().cpu()
         return result
 
     @torch.no_grad()
@@ -295,17 +316,15 @@ class DeepSpeedWorker:
         rows, length = batch.input_ids.shape
         log_probs = torch.zeros(rows, length, dtype=torch.float32)
         entropy = torch.zeros(rows, length, dtype=torch.float32) if return_entropy else None
-        if rows:
-            batch = batch.to(self.device)
-            mask = batch.attention_mask.bool()
-            select = torch.zeros_like(mask)
-            select[:, :-1] = mask[:, :-1] & mask[:, 1:]
-            out = self._outputs(batch, select, post, "metric" if return_entropy else "none")
-            log_probs[select.cpu()] = out.logprobs[select].float().cpu()
+        for current in self._forward_passes(batch):
+            if current is None:
+                continue
+            window, part, select = current
+            out = self._outputs(part, select, post, "metric" if return_entropy else "none")
+            selected = select.cpu()
+            log_probs[window] = torch.where(selected, out.logprobs.float().cpu(), 0.0)
             if entropy is not None:
-                entropy[select.cpu()] = out.entropy[select].float().cpu()
-        else:
-            self._join_gathers()
+                entropy[window] = torch.where(selected, out.entropy.float().cpu(), 0.0)
         result = {"log_probs_shifted": log_probs}
         if entropy is not None:
             result["entropy_shifted"] = entropy
