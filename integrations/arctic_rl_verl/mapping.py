@@ -232,15 +232,7 @@ def _rollout_correction(s: dict[str, Any]) -> float | None:
         return None
     if level != "token":
         raise UnsupportedVerlSetting(f"{path}.rollout_is", level, "only token-level TIS is mapped ('token' or null)")
-    threshold = correction.get("rollout_is_threshold", 2.0)
-    try:
-        cap = float(threshold)
-    except (TypeError, ValueError):
-        raise UnsupportedVerlSetting(
-            f"{path}.rollout_is_threshold",
-            threshold,
-            "a single upper bound (TIS); IcePop's 'lower_upper' is not mapped",
-        ) from None
+    cap = _tis_cap(f"{path}.rollout_is_threshold", correction.get("rollout_is_threshold", 2.0))
     if not s["rollout_calculate_log_probs"]:
         raise UnsupportedVerlSetting(
             VERL_PATHS["rollout_calculate_log_probs"], False, "token TIS needs the sampler's log-probs (true)"
@@ -252,6 +244,26 @@ def _rollout_correction(s: dict[str, Any]) -> float | None:
             "with token TIS the behaviour log-probs must be the sampling distribution's; arctic-rl's sampler "
             "reports log-probs of the model logits, which are those only at temperature 1.0",
         )
+    return cap
+
+
+def _tis_cap(path: str, threshold: Any) -> float:
+    """verl's single upper bound (TIS); refuses what verl reads as IcePop's lower and upper bounds.
+
+    verl (``rollout_corr_helper._parse_rollout_is_threshold``) takes a string with
+    a "_" as "lower_upper" before it tries a number. Python's ``float`` would read
+    the same "_" as a digit separator ("1_10" -> 110.0), so it cannot decide.
+    """
+    single = "a single positive upper bound (TIS); IcePop's 'lower_upper' bounds are not mapped"
+    icepop = isinstance(threshold, str) and "_" in threshold
+    if icepop or isinstance(threshold, bool) or not isinstance(threshold, (str, int, float)):
+        raise UnsupportedVerlSetting(path, threshold, single)
+    try:
+        cap = float(threshold)
+    except ValueError:
+        raise UnsupportedVerlSetting(path, threshold, single) from None
+    if not cap > 0:
+        raise UnsupportedVerlSetting(path, threshold, single)
     return cap
 
 

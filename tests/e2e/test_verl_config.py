@@ -106,29 +106,47 @@ def test_every_optimizer_step_runs_at_verls_learning_rate(schedule):
         verl.step()
 
 
-REFUSED = {
-    "algorithm.adv_estimator": ["algorithm.adv_estimator=gae"],
-    "critic.enable": ["critic.enable=true"],
-    "actor_rollout_ref.actor.policy_loss.loss_mode": ["actor_rollout_ref.actor.policy_loss.loss_mode=gspo"],
-    "actor_rollout_ref.actor.loss_agg_mode": ["actor_rollout_ref.actor.loss_agg_mode=seq-mean-token-sum-norm"],
-    "actor_rollout_ref.actor.kl_loss_type": ["actor_rollout_ref.actor.kl_loss_type=k3+"],
-    "actor_rollout_ref.actor.arctic.log_prob_gpus": ["actor_rollout_ref.actor.arctic.log_prob_gpus=0"],
-    "actor_rollout_ref.model.lora_rank": ["actor_rollout_ref.model.lora_rank=8"],
-    "actor_rollout_ref.rollout.name": ["actor_rollout_ref.rollout.name=vllm"],
-    "actor_rollout_ref.rollout.tensor_model_parallel_size": ["actor_rollout_ref.rollout.tensor_model_parallel_size=2"],
-    "trainer.n_gpus_per_node": ["trainer.n_gpus_per_node=2"],
-    "trainer.v1.trainer_mode": ["trainer.v1.trainer_mode=colocate_async"],
-    "algorithm.rollout_correction.rollout_is": ["algorithm.rollout_correction.rollout_is=sequence"],
-    "algorithm.rollout_correction.rollout_is_threshold": [
-        "algorithm.rollout_correction.rollout_is=token",
-        "algorithm.rollout_correction.rollout_is_threshold=0.5_5.0",
-    ],
-    "actor_rollout_ref.actor.optim.optimizer": ["actor_rollout_ref.actor.optim.optimizer=AdamW8bit"],
-    "actor_rollout_ref.actor.optim.zero_indexed_step": [
-        "actor_rollout_ref.actor.optim.lr_scheduler_type=cosine",
-        "actor_rollout_ref.actor.optim.zero_indexed_step=false",
-    ],
-}
+# (setting refused, the overrides that make verl ask for it); a setting may appear more than once.
+REFUSED = [
+    ("algorithm.adv_estimator", ["algorithm.adv_estimator=gae"]),
+    ("critic.enable", ["critic.enable=true"]),
+    ("actor_rollout_ref.actor.policy_loss.loss_mode", ["actor_rollout_ref.actor.policy_loss.loss_mode=gspo"]),
+    ("actor_rollout_ref.actor.loss_agg_mode", ["actor_rollout_ref.actor.loss_agg_mode=seq-mean-token-sum-norm"]),
+    ("actor_rollout_ref.actor.kl_loss_type", ["actor_rollout_ref.actor.kl_loss_type=k3+"]),
+    ("actor_rollout_ref.actor.arctic.log_prob_gpus", ["actor_rollout_ref.actor.arctic.log_prob_gpus=0"]),
+    ("actor_rollout_ref.model.lora_rank", ["actor_rollout_ref.model.lora_rank=8"]),
+    ("actor_rollout_ref.rollout.name", ["actor_rollout_ref.rollout.name=vllm"]),
+    (
+        "actor_rollout_ref.rollout.tensor_model_parallel_size",
+        ["actor_rollout_ref.rollout.tensor_model_parallel_size=2"],
+    ),
+    ("trainer.n_gpus_per_node", ["trainer.n_gpus_per_node=2"]),
+    ("trainer.v1.trainer_mode", ["trainer.v1.trainer_mode=colocate_async"]),
+    ("algorithm.rollout_correction.rollout_is", ["algorithm.rollout_correction.rollout_is=sequence"]),
+    (
+        "algorithm.rollout_correction.rollout_is_threshold",
+        [
+            "algorithm.rollout_correction.rollout_is=token",
+            "algorithm.rollout_correction.rollout_is_threshold=0.5_5.0",
+        ],
+    ),
+    # IcePop's bounds [1, 10] in verl; Python's float reads "1_10" as 110.
+    (
+        "algorithm.rollout_correction.rollout_is_threshold",
+        [
+            "algorithm.rollout_correction.rollout_is=token",
+            "algorithm.rollout_correction.rollout_is_threshold='1_10'",
+        ],
+    ),
+    ("actor_rollout_ref.actor.optim.optimizer", ["actor_rollout_ref.actor.optim.optimizer=AdamW8bit"]),
+    (
+        "actor_rollout_ref.actor.optim.zero_indexed_step",
+        [
+            "actor_rollout_ref.actor.optim.lr_scheduler_type=cosine",
+            "actor_rollout_ref.actor.optim.zero_indexed_step=false",
+        ],
+    ),
+]
 
 
 def refusal(error: BaseException) -> UnsupportedVerlSetting | None:
@@ -138,10 +156,10 @@ def refusal(error: BaseException) -> UnsupportedVerlSetting | None:
     return error
 
 
-@pytest.mark.parametrize("setting", list(REFUSED))
-def test_unsupported_verl_setting_fails_at_startup_naming_it(setting):
+@pytest.mark.parametrize(("setting", "overrides"), REFUSED, ids=[" ".join(overrides) for _, overrides in REFUSED])
+def test_unsupported_verl_setting_fails_at_startup_naming_it(setting, overrides):
     with pytest.raises(Exception) as raised:
-        validated_actor("arctic_gsm8k_cpu", *REFUSED[setting])
+        validated_actor("arctic_gsm8k_cpu", *overrides)
     refused = refusal(raised.value)
     assert refused is not None, f"not refused by the arctic backend: {raised.value!r}"
     assert refused.path == setting
