@@ -18,6 +18,7 @@ algorithm.rollout_correction                   decoupled PPO: verl's old_log_pro
                                                  behaviour policy, behav_imp_weight_cap =
                                                  rollout_is_threshold (truncate: token TIS)
 rollout.temperature                            ``temperature`` post-processor, per call
+                                                 (1.0, top_k off and top_p 1.0 under token TIS)
 =============================================  ==============================================
 
 verl's optimizer settings (``actor.optim``) become the training engine's:
@@ -58,6 +59,8 @@ VERL_PATHS = {
     "rollout_data_parallel_size": "actor_rollout_ref.rollout.data_parallel_size",
     "rollout_pipeline_model_parallel_size": "actor_rollout_ref.rollout.pipeline_model_parallel_size",
     "rollout_temperature": "actor_rollout_ref.rollout.temperature",
+    "rollout_top_k": "actor_rollout_ref.rollout.top_k",
+    "rollout_top_p": "actor_rollout_ref.rollout.top_p",
     "rollout_calculate_log_probs": "actor_rollout_ref.rollout.calculate_log_probs",
     "rollout_repetition_penalty": "actor_rollout_ref.rollout.repetition_penalty",
     "lora_rank": "actor_rollout_ref.model.lora_rank",
@@ -243,6 +246,22 @@ def _rollout_correction(s: dict[str, Any]) -> float | None:
             s["rollout_temperature"],
             "with token TIS the behaviour log-probs must be the sampling distribution's; arctic-rl's sampler "
             "reports log-probs of the model logits, which are those only at temperature 1.0",
+        )
+    # verl's vLLM rollout reports processed log-probs (logprobs_mode=processed_logprobs): renormalised over
+    # the tokens top-k/top-p keep. arctic-rl's samplers report them under the full distribution.
+    if s["rollout_top_k"] is not None and s["rollout_top_k"] > 0:
+        raise UnsupportedVerlSetting(
+            VERL_PATHS["rollout_top_k"],
+            s["rollout_top_k"],
+            "with token TIS the behaviour log-probs must be the sampling distribution's; arctic-rl's sampler "
+            "reports log-probs of the model logits, not renormalised over the top-k tokens (-1 or 0: off)",
+        )
+    if s["rollout_top_p"] is not None and s["rollout_top_p"] < 1.0:
+        raise UnsupportedVerlSetting(
+            VERL_PATHS["rollout_top_p"],
+            s["rollout_top_p"],
+            "with token TIS the behaviour log-probs must be the sampling distribution's; arctic-rl's sampler "
+            "reports log-probs of the model logits, not renormalised over the top-p nucleus (1.0)",
         )
     return cap
 

@@ -138,6 +138,15 @@ REFUSED = [
             "algorithm.rollout_correction.rollout_is_threshold='1_10'",
         ],
     ),
+    # verl's vLLM rollout reports log-probs renormalised over the top-k / top-p tokens; arctic's samplers do not.
+    (
+        "actor_rollout_ref.rollout.top_k",
+        ["algorithm.rollout_correction.rollout_is=token", "actor_rollout_ref.rollout.top_k=20"],
+    ),
+    (
+        "actor_rollout_ref.rollout.top_p",
+        ["algorithm.rollout_correction.rollout_is=token", "actor_rollout_ref.rollout.top_p=0.9"],
+    ),
     ("actor_rollout_ref.actor.optim.optimizer", ["actor_rollout_ref.actor.optim.optimizer=AdamW8bit"]),
     (
         "actor_rollout_ref.actor.optim.zero_indexed_step",

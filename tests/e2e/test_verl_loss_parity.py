@@ -45,6 +45,8 @@ def run_settings(**rollout_correction) -> dict:
         "rollout_data_parallel_size": 1,
         "rollout_pipeline_model_parallel_size": 1,
         "rollout_temperature": 1.0,
+        "rollout_top_k": -1,
+        "rollout_top_p": 1.0,
         "rollout_calculate_log_probs": True,
         "rollout_repetition_penalty": 1.0,
         "lora_rank": 0,
