@@ -167,6 +167,15 @@ def check_run(actor, verl_settings: Mapping[str, Any]) -> None:
             "a KL term (actor.use_kl_loss or algorithm.use_kl_in_reward) needs the reference log-probs of "
             "arctic-rl's log-prob engine: set it to 1 or more",
         )
+    # verl asks for the reference log-probs at the rollout temperature; the vLLM log-prob job applies none.
+    if needs_reference(actor, s) and actor.arctic.log_prob_engine == "vllm" and s["rollout_temperature"] != 1.0:
+        raise UnsupportedVerlSetting(
+            f"{ARCTIC}.log_prob_engine",
+            actor.arctic.log_prob_engine,
+            f"verl computes the reference log-probs at {VERL_PATHS['rollout_temperature']}="
+            f"{s['rollout_temperature']}, and arctic-rl's vLLM log-prob engine applies no temperature: "
+            "use 'deepspeed' (or a rollout temperature of 1.0)",
+        )
 
 
 def policy_loss(actor, verl_settings: Mapping[str, Any]) -> PolicyLoss:

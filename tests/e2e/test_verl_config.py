@@ -106,6 +106,20 @@ def test_every_optimizer_step_runs_at_verls_learning_rate(schedule):
         verl.step()
 
 
+def test_vllm_reference_log_probs_are_refused_only_where_verl_asks_for_them_off_temperature_one():
+    """The vLLM log-prob engine serves verl's reference at temperature 1.0, and any temperature without one."""
+    engine = "actor_rollout_ref.actor.arctic.log_prob_engine=vllm"
+    at_one = validated_actor("arctic_gsm8k_cpu", "actor_rollout_ref.actor.use_kl_loss=true", engine)
+    assert at_one.arctic.log_prob_engine == "vllm" and at_one.arctic.loss_config["kl_coef"] > 0
+    no_reference = validated_actor(
+        "arctic_gsm8k_cpu",
+        "actor_rollout_ref.actor.use_kl_loss=false",
+        engine,
+        "actor_rollout_ref.rollout.temperature=0.7",
+    )
+    assert no_reference.arctic.loss_config["kl_coef"] == 0.0
+
+
 # (setting refused, the overrides that make verl ask for it); a setting may appear more than once.
 REFUSED = [
     ("algorithm.adv_estimator", ["algorithm.adv_estimator=gae"]),
@@ -146,6 +160,15 @@ REFUSED = [
     (
         "actor_rollout_ref.rollout.top_p",
         ["algorithm.rollout_correction.rollout_is=token", "actor_rollout_ref.rollout.top_p=0.9"],
+    ),
+    # verl's reference log-probs are at the rollout temperature; arctic's vLLM log-prob engine applies none.
+    (
+        "actor_rollout_ref.actor.arctic.log_prob_engine",
+        [
+            "actor_rollout_ref.actor.use_kl_loss=true",
+            "actor_rollout_ref.actor.arctic.log_prob_engine=vllm",
+            "actor_rollout_ref.rollout.temperature=0.7",
+        ],
     ),
     ("actor_rollout_ref.actor.optim.optimizer", ["actor_rollout_ref.actor.optim.optimizer=AdamW8bit"]),
     (
