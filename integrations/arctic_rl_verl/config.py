@@ -52,7 +52,9 @@ class ArcticEngineConfig(EngineConfig):
         max_model_len, max_num_seqs, gpu_memory_utilization, enable_prefix_caching: sampler.
         generate_batch_window_s: how long the rollout server gathers concurrent verl
             requests into one arctic generate call.
-        checkpoint_path: an arctic-rl checkpoint the training job resumes from when it starts.
+        checkpoint_path: the checkpoint the training job resumes from when it starts:
+            ``<trainer.default_local_dir>/global_step_<N>/actor``, the directory holding
+            DeepSpeed's ``latest`` (a new or empty directory starts fresh).
         startup_timeout, job_ready_timeout, server_logs: as in ArcticRLClientConfig.
 
     Filled from verl's actor settings by :class:`ArcticActorConfig`:

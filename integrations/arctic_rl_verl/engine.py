@@ -190,8 +190,10 @@ class ArcticEngine(BaseEngine):
     def load_checkpoint(
         self, local_path: str, hdfs_path: Optional[str] = None, del_local_after_load: bool = True, **kwargs
     ):
+        # verl's local_path is <trainer.default_local_dir>/global_step_<N>/actor: the directory save_checkpoint
+        # wrote DeepSpeed's 'latest' into, the one arctic's training worker resumes from (not global_stepN inside).
         raise NotImplementedError(
             f"verl asked to resume from {local_path!r} after arctic-rl's jobs started; arctic-rl resumes when its "
-            f"training job starts: set {ARCTIC}.checkpoint_path=<the checkpoint directory inside {local_path}> "
-            "and trainer.resume_mode=disable"
+            f"training job starts: set {ARCTIC}.checkpoint_path={local_path!r} (the directory holding 'latest', "
+            "not the global_step directory inside it) and trainer.resume_mode=disable"
         )

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable
 
 from arctic_rl_core import ArcticRLClientConfig
@@ -176,6 +177,48 @@ def check_run(actor, verl_settings: Mapping[str, Any]) -> None:
             f"{s['rollout_temperature']}, and arctic-rl's vLLM log-prob engine applies no temperature: "
             "use 'deepspeed' (or a rollout temperature of 1.0)",
         )
+    _check_checkpoint_path(actor.arctic.checkpoint_path)
+
+
+# Where verl's trainer has the engine save the actor; arctic-rl resumes from there.
+RESUME_DIRECTORY = "<trainer.default_local_dir>/global_step_<N>/actor"
+
+
+def _check_checkpoint_path(checkpoint_path: str | None) -> None:
+    """Refuse a checkpoint path the training job would silently not resume from.
+
+    arctic-rl's training worker resumes only from a directory holding DeepSpeed's
+    ``latest`` file (verl's ``<trainer.default_local_dir>/global_step_<N>/actor``,
+    the ``local_path`` verl gives ``save_checkpoint``); from any other directory it
+    starts from the base weights, which is right for a new or empty one. An
+    existing directory without ``latest`` that is a step directory (DeepSpeed's
+    ``global_stepN`` tag inside it, or verl's ``global_step_<N>``) or verl's
+    ``trainer.default_local_dir`` is a resume that would not happen.
+    """
+    if not checkpoint_path:
+        return
+    path = Path(checkpoint_path)
+    if not path.is_dir() or (path / "latest").is_file():
+        return
+    if (path.parent / "latest").is_file():
+        instead = str(path.parent)  # DeepSpeed's tag directory: the checkpoint is its parent
+    elif (path / "actor" / "latest").is_file():
+        instead = str(path / "actor")  # verl's global_step_<N>
+    elif (path / "latest_checkpointed_iteration.txt").is_file():
+        step = (path / "latest_checkpointed_iteration.txt").read_text().strip()
+        instead = str(path / f"global_step_{step}" / "actor")  # verl's trainer.default_local_dir
+    elif path.name.startswith("global_step"):
+        instead = None  # a step directory on its own: which checkpoint it belonged to is unknown
+    else:
+        return
+    where = f"{RESUME_DIRECTORY}, where the arctic engine saved the actor"
+    raise UnsupportedVerlSetting(
+        f"{ARCTIC}.checkpoint_path",
+        checkpoint_path,
+        "arctic-rl's training job resumes only from a directory holding DeepSpeed's 'latest' file, and this one "
+        "has none, so training would start from the base weights: set it to "
+        + (f"{instead!r} ({where})" if instead else where),
+    )
 
 
 def policy_loss(actor, verl_settings: Mapping[str, Any]) -> PolicyLoss:

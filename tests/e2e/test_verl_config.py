@@ -203,3 +203,52 @@ def test_an_invalid_arctic_setting_fails_at_startup_naming_it():
     with pytest.raises(Exception) as raised:
         validated_actor("arctic_gsm8k_cpu", "actor_rollout_ref.actor.arctic.sampling_engine=sglang")
     assert "actor_rollout_ref.actor.arctic.sampling_engine='sglang': expected one of" in str(raised.value)
+
+
+def saved_checkpoints(root: Path, step: int = 1) -> Path:
+    """verl's trainer.default_local_dir after the arctic engine saved step ``step``; returns the actor directory."""
+    actor = root / f"global_step_{step}" / "actor"  # verl's local_path for save_checkpoint
+    (actor / f"global_step{step}").mkdir(parents=True)  # DeepSpeed's tag directory
+    (actor / "latest").write_text(f"global_step{step}")
+    (root / "latest_checkpointed_iteration.txt").write_text(str(step))
+    return actor
+
+
+CHECKPOINT_PATH = "actor_rollout_ref.actor.arctic.checkpoint_path"
+
+
+@pytest.mark.parametrize(
+    "given", ["actor/global_step1", "global_step_1", ".", "../copied/global_step1"], ids=lambda given: given
+)
+def test_a_checkpoint_path_that_would_not_resume_fails_at_startup_naming_the_directory(tmp_path, given):
+    """The training worker resumes only from a directory holding 'latest'; elsewhere it silently starts fresh."""
+    actor = saved_checkpoints(tmp_path / "ckpt")
+    (tmp_path / "copied" / "global_step1").mkdir(parents=True)  # a tag directory copied out on its own
+    path = (tmp_path / "ckpt" / given.replace("actor/", "global_step_1/actor/")).resolve()
+    with pytest.raises(Exception) as raised:
+        validated_actor("arctic_gsm8k_cpu", f"{CHECKPOINT_PATH}='{path}'")
+    refused = refusal(raised.value)
+    assert refused is not None, f"not refused by the arctic backend: {raised.value!r}"
+    assert refused.path == CHECKPOINT_PATH
+    assert str(refused).startswith(f"{CHECKPOINT_PATH}={str(path)!r}")
+    instead = "<trainer.default_local_dir>/global_step_<N>/actor" if "copied" in given else repr(str(actor))
+    assert f"set it to {instead}" in str(refused)
+
+
+@pytest.mark.parametrize("given", ["resumes", "new", "empty"])
+def test_a_checkpoint_path_to_resume_from_or_to_start_fresh_in_is_accepted(tmp_path, given):
+    paths = {"resumes": saved_checkpoints(tmp_path / "ckpt"), "new": tmp_path / "new", "empty": tmp_path / "empty"}
+    (tmp_path / "empty").mkdir()
+    actor = validated_actor("arctic_gsm8k_cpu", f"{CHECKPOINT_PATH}='{paths[given]}'")
+    assert actor.arctic.checkpoint_path == str(paths[given])
+
+
+def test_verls_resume_request_names_the_directory_the_training_job_resumes_from(tmp_path):
+    from arctic_rl_verl.engine import ArcticEngine
+
+    local_path = str(saved_checkpoints(tmp_path))  # what verl's trainer passes: <default_local_dir>/global_step_1/actor
+    engine = ArcticEngine(None, ArcticEngineConfig(), None, None)
+    with pytest.raises(NotImplementedError) as raised:
+        engine.load_checkpoint(local_path)
+    assert f"{CHECKPOINT_PATH}={local_path!r}" in str(raised.value)
+    assert "trainer.resume_mode=disable" in str(raised.value)
