@@ -255,6 +255,8 @@ def policy_loss(actor, verl_settings: Mapping[str, Any]) -> PolicyLoss:
         "eps_clip_high": high,
         "clip_ratio_c": actor.clip_ratio_c,
         "loss_agg_mode": actor.loss_agg_mode,
+        # verl's seq-mean modes divide by global_batch_size, a mini-batch's rows, fully masked ones included.
+        "num_sequences": actor.ppo_mini_batch_size * actor.rollout_n,
         "entropy_coef": actor.entropy_coeff,
         "kl_coef": actor.kl_loss_coef if actor.use_kl_loss else 0.0,
         "kl_estimator": KL_ESTIMATORS[actor.kl_loss_type],

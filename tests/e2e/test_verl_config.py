@@ -52,6 +52,7 @@ def test_cpu_recipe_maps_verl_settings_onto_the_grpo_processor():
         "entropy_coef": 0,
         "kl_coef": 0.001,
         "kl_estimator": "k3",
+        "num_sequences": 2 * 4,  # verl's global_batch_size: ppo_mini_batch_size x rollout.n
     }
     assert not actor.arctic.decoupled_ppo
     assert actor.arctic.optimizer_steps_per_training_step == 1

@@ -178,6 +178,15 @@ CASES = {
         actor=dict(loss_agg_mode="token-sum", use_kl_loss=True, kl_loss_coef=0.05, kl_loss_type="kl"), correction={}
     ),
     "token_tis": dict(actor=dict(clip_ratio_high=0.28), correction=dict(rollout_is="token", rollout_is_threshold=1.5)),
+    # verl divides the seq-mean modes by the mini-batch's rows, a response its filters masked out included.
+    "masked_response_seq_mean_token_mean": dict(
+        actor=dict(loss_agg_mode="seq-mean-token-mean", use_kl_loss=True, kl_loss_coef=0.1, entropy_coeff=0.01),
+        correction={},
+        masked_row=1,
+    ),
+    "masked_response_seq_mean_token_sum": dict(
+        actor=dict(loss_agg_mode="seq-mean-token-sum"), correction={}, masked_row=3
+    ),
 }
 
 
@@ -187,6 +196,8 @@ def test_arctic_grpo_loss_and_gradients_equal_verl_ppo_loss(case):
     actor = actor_config(**spec["actor"])
     settings = run_settings(**spec["correction"])
     scenario = Scenario()
+    if "masked_row" in spec:
+        scenario.response_mask[spec["masked_row"]].zero_()
     threshold = spec["correction"].get("rollout_is_threshold")
     with_entropy = actor.entropy_coeff != 0
     verl_value, verl_grad = verl_loss(actor, scenario, scenario.verl_batch(threshold), with_entropy)
