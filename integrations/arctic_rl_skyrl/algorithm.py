@@ -19,7 +19,8 @@ use_entropy_loss, entropy_loss_coef      ``entropy_coef``
 off_policy_correction token TIS          decoupled PPO: ``prox_logp_shifted`` (recomputed
                                          log-probs), ``old_log_probs_shifted`` (rollout),
                                          ``behav_imp_weight_cap=token_tis_ratio_clip_high``
-temperature                              post-processor ``temperature``
+temperature                              post-processor ``temperature`` on the policy's forwards;
+                                         reference log-probs at temperature 1 (as SkyRL's)
 =======================================  =====================================================
 
 arctic aggregates the KL and entropy terms in the policy term's mode, where
@@ -63,9 +64,15 @@ class LossPlan:
     def processing(self) -> dict[str, Any]:
         return {"loss_fn": self.loss_fn, "config": dict(self.config), "post": list(self.post)}
 
-    def forward_processing(self) -> Optional[dict[str, Any]]:
-        """fwd_no_grad applies only the post-processors (temperature), so old and new log-probs match."""
-        return {"loss_fn": self.loss_fn, "config": {}, "post": list(self.post)} if self.post else None
+    def forward_processing(self, reference: bool = False) -> Optional[dict[str, Any]]:
+        """fwd_no_grad applies only the post-processors (temperature), so old and new log-probs match.
+
+        The reference forward applies none: SkyRL's reference worker computes its
+        log-probs at temperature 1.0 whatever the sampling temperature.
+        """
+        if reference or not self.post:
+            return None
+        return {"loss_fn": self.loss_fn, "config": {}, "post": list(self.post)}
 
 
 def _unsupported(setting: str, value: Any, instead: str) -> UnsupportedSkyRLSetting:

@@ -81,10 +81,10 @@ class ArcticDispatch:
         self._wake_training()
         response_length = data.metadata["response_length"]
         batch = model_batch(data, {})
+        # The policy's log-probs at the sampling temperature; the reference's at 1.0, as SkyRL's RefWorker.
+        processing = self.plan.forward_processing(reference=model == REF)
         result = self.session.call(
-            lambda client: client.fwd_no_grad(
-                batch=batch, reference_model=model == REF, processing=self.plan.forward_processing()
-            )
+            lambda client: client.fwd_no_grad(batch=batch, reference_model=model == REF, processing=processing)
         )
         log_probs = from_shifted(result["log_probs_shifted"], response_length)
         return WorkerOutput(loss_fn_outputs=[{"logprobs": row.tolist()} for row in log_probs], metrics={})

@@ -86,10 +86,12 @@ def test_token_tis_is_decoupled_ppo_with_a_truncated_behaviour_weight():
     assert (plan.config["behav_imp_weight_cap"], plan.config["behav_imp_weight_mode"]) == (3.0, "truncate")
 
 
-def test_sampling_temperature_becomes_a_logit_post_processor_for_every_forward():
+def test_sampling_temperature_becomes_a_logit_post_processor_for_every_policy_forward():
     plan = plan_for("generator.sampling_params.temperature=0.7")
     expected = [{"name": "temperature", "config": {"temperature": 0.7}}]
     assert plan.post == expected and plan.forward_processing()["post"] == expected
+    # SkyRL's reference worker computes its log-probs at temperature 1.0.
+    assert plan.forward_processing(reference=True) is None
 
 
 @pytest.mark.parametrize(
