@@ -154,6 +154,17 @@ def placement(cfg: SkyRLTrainConfig) -> Placement:
     return Placement(training, sampling, log_prob, bool(colocate))
 
 
+def longest_prompt(cfg: SkyRLTrainConfig) -> int:
+    """The longest prompt SkyRL's generator sends the sampler.
+
+    A dataset prompt has at most ``trainer.max_prompt_length`` tokens; a turn of
+    the multi-turn agent loop is sent while its input (prompt, earlier turns and
+    observations) is at most ``generator.max_input_length`` (which defaults to
+    ``max_prompt_length``), each turn with ``max_tokens=max_generate_length``.
+    """
+    return max(cfg.generator.max_input_length or 0, cfg.trainer.max_prompt_length)
+
+
 def optimizer_steps(cfg: SkyRLTrainConfig, training_batches: int) -> int:
     """Optimizer steps of the whole run: one per policy mini-batch, per update epoch, per training batch."""
     trainer = cfg.trainer
@@ -200,7 +211,7 @@ def client_config(
     if arctic.offload_optimizer:
         ds_config["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
     sampler_config = {
-        "max_model_len": trainer.max_prompt_length + cfg.generator.sampling_params.max_generate_length,
+        "max_model_len": longest_prompt(cfg) + cfg.generator.sampling_params.max_generate_length,
         "gpu_memory_utilization": cfg.generator.inference_engine.gpu_memory_utilization,
         "enable_prefix_caching": cfg.generator.inference_engine.enable_prefix_caching,
         "enforce_eager": cfg.generator.inference_engine.enforce_eager,

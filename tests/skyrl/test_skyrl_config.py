@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from skyrl.train.utils import validate_cfg
 from transformers import get_scheduler
 
 from arctic_rl_core.config import OptimizerConfig
+from arctic_rl_core.engines.sampling.protocol import check_prompt
 from arctic_rl_core.engines.training.deepspeed_setup import lr_multiplier
 from arctic_rl_skyrl.config import ArcticRLConfig, ArcticSkyRLTrainConfig, client_config, placement
 
@@ -142,3 +144,20 @@ def test_scheduler_without_arctic_equivalent_is_refused_by_name():
     cfg = parse("trainer.policy.optimizer_config.scheduler=polynomial")
     with pytest.raises(ValueError, match="scheduler='polynomial'"):
         client_config(cfg, 10)
+
+
+def test_sampler_context_fits_the_longest_prompt_plus_a_full_generation():
+    single_turn = parse("trainer.max_prompt_length=256", "generator.sampling_params.max_generate_length=128")
+    assert client_config(single_turn, 10).vllm_config["max_model_len"] == 256 + 128
+    # Multi-turn, SkyRL's agent loop sends each turn's input of up to generator.max_input_length tokens
+    # with max_tokens=max_generate_length.
+    multi_turn = parse(
+        "trainer.logger=console",
+        "generator.max_turns=4",
+        "generator.max_input_length=2048",
+        "trainer.max_prompt_length=256",
+        "generator.sampling_params.max_generate_length=256",
+    )
+    validate_cfg(multi_turn)
+    assert client_config(multi_turn, 10).vllm_config["max_model_len"] == 2048 + 256
+    check_prompt(list(range(1, 2049)), client_config(multi_turn, 10).vllm_config["max_model_len"], 4096)
