@@ -9,6 +9,11 @@ the trainer's dispatch (``sync_weights``), never through this client.
 vLLM-style sampling params map one to one onto arctic's; ``min_p`` and keys
 arctic does not know are refused by name. ``generator.batched=true`` sends a
 whole batch in one call; the multi-turn agent loop sends one call per turn.
+
+The response text is ``tokenizer.batch_decode(response_ids)``, as SkyRL 0.4's
+``RemoteInferenceClient`` makes it: special tokens and stop strings stay in.
+``skip_special_tokens`` and ``include_stop_str_in_output`` only shape vLLM's
+own text, which that client never reads, so they are accepted and dropped.
 """
 
 from __future__ import annotations
@@ -26,15 +31,13 @@ from arctic_rl_skyrl.session import ArcticSession
 # vLLM sampling params arctic's sampler takes as they are.
 _PASSED_THROUGH = ("n", "max_tokens", "min_tokens", "temperature", "top_p", "top_k", "stop", "stop_token_ids",
                    "ignore_eos", "seed")  # fmt: skip
-# vLLM sampling params this client applies itself, when it decodes the response text.
-_DECODING = ("skip_special_tokens", "include_stop_str_in_output")
+# vLLM params for vLLM's detokenized text, which SkyRL's client discards (it decodes the token ids itself).
+_VLLM_TEXT_ONLY = ("skip_special_tokens", "include_stop_str_in_output")
 
 
-def arctic_sampling_params(params: Optional[Dict[str, Any]]) -> Tuple[Dict[str, Any], Dict[str, Any]]:
-    """Split vLLM-style ``params`` into arctic's sampling params and this client's decoding options."""
-    params = dict(params or {})
-    decoding = {"skip_special_tokens": True, "include_stop_str_in_output": False}
-    decoding.update({key: params.pop(key) for key in _DECODING if key in params})
+def arctic_sampling_params(params: Optional[Dict[str, Any]]) -> Dict[str, Any]:
+    """vLLM-style ``params`` as arctic's sampling params; refuses, by name, what arctic's sampler cannot do."""
+    params = {key: value for key, value in (params or {}).items() if key not in _VLLM_TEXT_ONLY}
     min_p = params.pop("min_p", 0.0)
     if min_p:
         raise ValueError(f"sampling param min_p={min_p!r} is not supported by arctic's sampler; use top_p or top_k")
@@ -49,7 +52,7 @@ def arctic_sampling_params(params: Optional[Dict[str, Any]]) -> Tuple[Dict[str, 
     if sampling.get("n", 1) != 1:
         raise ValueError(f"sampling param n={sampling['n']!r}: SkyRL repeats prompts itself; expected n=1")
     sampling["logprobs"] = logprobs is not None
-    return sampling, decoding
+    return sampling
 
 
 class ArcticInferenceClient(InferenceEngineInterface):
@@ -72,28 +75,22 @@ class ArcticInferenceClient(InferenceEngineInterface):
             prompt_token_ids = self.tokenizer.apply_chat_template(
                 input_batch["prompts"], add_generation_prompt=True, tokenize=True, return_dict=False
             )
-        sampling, decoding = arctic_sampling_params(input_batch.get("sampling_params"))
+        sampling = arctic_sampling_params(input_batch.get("sampling_params"))
         results = await self.session.acall(
             lambda client: client.generate(prompt_token_ids=prompt_token_ids, sampling_params=sampling)
         )
         completions = [result["outputs"][0] for result in results]
+        response_ids = [list(c["token_ids"]) for c in completions]
         return InferenceEngineOutput(
-            responses=[self._text(c, decoding) for c in completions],
-            response_ids=[list(c["token_ids"]) for c in completions],
+            # SkyRL's RemoteInferenceClient.detokenize: special tokens and stop strings kept.
+            responses=self.tokenizer.batch_decode(response_ids),
+            response_ids=response_ids,
             stop_reasons=[c["finish_reason"] for c in completions],
             response_logprobs=[list(c["logprobs"]) for c in completions] if sampling["logprobs"] else None,
             prompt_logprobs=None,
             rollout_expert_indices=None,
             rollout_sample_support=None,
         )
-
-    def _text(self, completion: dict, decoding: Dict[str, Any]) -> str:
-        """The response text from its tokens, so ``decode(response_ids) == responses`` holds as SkyRL expects."""
-        text = self.tokenizer.decode(completion["token_ids"], skip_special_tokens=decoding["skip_special_tokens"])
-        stop = completion.get("stop_reason")
-        if isinstance(stop, str) and not decoding["include_stop_str_in_output"] and stop in text:
-            text = text[: text.index(stop)]
-        return text
 
     # ------------------------------------------------------------ devices
 

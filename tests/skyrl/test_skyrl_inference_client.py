@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 from skyrl.backends.skyrl_train.inference_servers.engine_utils import get_vllm_sampling_params
 from skyrl.train.config import SamplingParams as SkyRLSamplingParams
@@ -13,17 +15,18 @@ from arctic_rl_skyrl.session import ArcticSession
 
 def test_skyrl_default_sampling_params_are_valid_arctic_params():
     skyrl = get_vllm_sampling_params(SkyRLSamplingParams(max_generate_length=32, temperature=0.7, stop=["####"]))
-    sampling, decoding = arctic_sampling_params(skyrl)
+    sampling = arctic_sampling_params(skyrl)
     params = SamplingParams.model_validate(sampling)
     assert (params.max_tokens, params.min_tokens, params.temperature, params.top_k, params.stop) == (
         32, 1, 0.7, -1, ["####"],
     )  # fmt: skip
     assert params.logprobs
-    assert decoding == {"skip_special_tokens": True, "include_stop_str_in_output": True}
+    # vLLM's text options: SkyRL's client decodes the token ids itself, so they change nothing here.
+    assert {"skip_special_tokens", "include_stop_str_in_output"}.isdisjoint(sampling)
 
 
 def test_logprobs_none_asks_arctic_for_no_logprobs():
-    sampling, _ = arctic_sampling_params({"max_tokens": 4, "logprobs": None})
+    sampling = arctic_sampling_params({"max_tokens": 4, "logprobs": None})
     assert sampling == {"max_tokens": 4, "logprobs": False}
 
 
@@ -48,19 +51,53 @@ def client(tiny_model):
     session.close()
 
 
-def test_response_text_is_the_decoded_tokens_without_special_tokens(client):
-    ids = client.tokenizer("The answer is 42")["input_ids"] + [client.tokenizer.eos_token_id]
-    text = client._text({"token_ids": ids, "stop_reason": None}, {"skip_special_tokens": True,
-                                                                  "include_stop_str_in_output": True})  # fmt: skip
-    assert text == "The answer is 42"
+class SamplerSession:
+    """Stands in for the arctic session: every generate returns the same completion."""
+
+    def __init__(self, completion: dict):
+        self.completion = completion
+        self.requests = []
+
+    async def acall(self, method):
+        return await method(self)
+
+    async def generate(self, prompt_token_ids, sampling_params):
+        self.requests.append(sampling_params)
+        return [{"outputs": [dict(self.completion)]} for _ in prompt_token_ids]
 
 
-def test_stop_string_is_cut_unless_skyrl_asks_to_keep_it(client):
-    ids = client.tokenizer("so 6 #### 6 more")["input_ids"]
-    completion = {"token_ids": ids, "stop_reason": "####"}
-    kept = client._text(completion, {"skip_special_tokens": True, "include_stop_str_in_output": True})
-    cut = client._text(completion, {"skip_special_tokens": True, "include_stop_str_in_output": False})
-    assert kept == "so 6 #### 6 more" and cut == "so 6 "
+def generate(tokenizer, completion: dict, **decoding) -> tuple[SamplerSession, dict]:
+    session = SamplerSession(completion)
+    client = ArcticInferenceClient(session, tokenizer, model_name="tiny", sampling_gpus=1, colocated=False)
+    params = {"max_tokens": 8, "logprobs": None, **decoding}
+    output = asyncio.run(client.generate({"prompt_token_ids": [[5, 6], [7]], "sampling_params": params}))
+    return session, output
+
+
+@pytest.mark.parametrize("skip_special_tokens", [True, False])
+def test_response_text_is_skyrls_batch_decode_of_the_tokens_special_tokens_kept(tiny_model, skip_special_tokens):
+    """SkyRL 0.4's RemoteInferenceClient decodes with ``tokenizer.batch_decode(ids)``, whatever the sampling params."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model)
+    ids = tokenizer("The answer is 42", add_special_tokens=False)["input_ids"]
+    ids.append(tokenizer.convert_tokens_to_ids("<|im_end|>"))
+    completion = {"token_ids": ids, "finish_reason": "stop", "stop_reason": None}
+    session, output = generate(tokenizer, completion, skip_special_tokens=skip_special_tokens)
+    assert output["responses"] == tokenizer.batch_decode([ids, ids]) == ["The answer is 42<|im_end|>"] * 2
+    assert output["response_ids"] == [ids, ids] and output["stop_reasons"] == ["stop", "stop"]
+    assert "skip_special_tokens" not in session.requests[0]
+
+
+@pytest.mark.parametrize("include_stop_str_in_output", [True, False])
+def test_stop_string_stays_in_the_text_as_in_skyrl(tiny_model, include_stop_str_in_output):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model)
+    ids = tokenizer("so 6 #### 6", add_special_tokens=False)["input_ids"]
+    completion = {"token_ids": ids, "finish_reason": "stop", "stop_reason": "####"}
+    _, output = generate(tokenizer, completion, include_stop_str_in_output=include_stop_str_in_output)
+    assert output["responses"] == tokenizer.batch_decode([ids, ids]) == ["so 6 #### 6"] * 2
 
 
 def test_openai_endpoints_are_refused_with_the_reason(client):
