@@ -37,6 +37,8 @@ from typing import Any, Optional
 
 from skyrl.train.config import SkyRLTrainConfig
 
+from arctic_rl_skyrl.config import longest_prompt, longest_sequence
+
 SUPPORTED_POLICY_LOSSES = ("regular", "dual_clip")
 
 _AGG_MODES = {
@@ -97,6 +99,7 @@ def loss_plan(cfg: SkyRLTrainConfig) -> LossPlan:
                 f"{prefix}.loss_reduction=seq_mean_token_sum_norm needs {prefix}.max_seq_len (its normalizer)"
             )
         horizon = int(algorithm.max_seq_len)
+        _check_dr_grpo_horizon(cfg, horizon)
     config: dict[str, Any] = {
         "eps_clip": algorithm.eps_clip_low,
         "eps_clip_high": algorithm.eps_clip_high,
@@ -118,6 +121,33 @@ def loss_plan(cfg: SkyRLTrainConfig) -> LossPlan:
         rollout_correction=rollout_correction,
         horizon=horizon,
     )
+
+
+def _check_dr_grpo_horizon(cfg: SkyRLTrainConfig, horizon: int) -> None:
+    """arctic pads rows to ``max_seq_len``, so every batch must fit in it; refuse now what would fail mid-run.
+
+    SkyRL only warns when a batch is wider than ``max_seq_len`` and still divides by it.
+    """
+    setting = "trainer.algorithm.max_seq_len"
+    if cfg.generator.step_wise_trajectories:
+        raise UnsupportedSkyRLSetting(
+            "trainer.algorithm.loss_reduction=seq_mean_token_sum_norm with generator.step_wise_trajectories=true "
+            "is not supported by the arctic-rl backend: each step keeps its observation, so no "
+            f"{setting} bounds a batch's rows; use another loss_reduction or whole trajectories"
+        )
+    widest = longest_sequence(cfg)
+    if horizon < widest:
+        bound = (
+            "max(generator.max_input_length, trainer.max_prompt_length) + generator.sampling_params.max_generate_length"
+        )
+        if widest > longest_prompt(cfg) + cfg.generator.sampling_params.max_generate_length:
+            bound += " + the EOS SkyRL appends after a stop string"
+        raise _unsupported(
+            setting,
+            horizon,
+            f"seq_mean_token_sum_norm pads every row to it, and a batch's rows reach {widest} tokens ({bound}); "
+            f"set it to at least {widest}",
+        )
 
 
 def _token_tis(cfg: SkyRLTrainConfig, config: dict[str, Any]) -> bool:

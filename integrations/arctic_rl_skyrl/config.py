@@ -165,6 +165,25 @@ def longest_prompt(cfg: SkyRLTrainConfig) -> int:
     return max(cfg.generator.max_input_length or 0, cfg.trainer.max_prompt_length)
 
 
+def longest_sequence(cfg: SkyRLTrainConfig) -> int:
+    """The widest row a SkyRL training batch can have (``convert_prompts_responses_to_batch_tensors`` pads to it).
+
+    The longest prompt and a full generation; SkyRL's agent loop drops the last
+    observation, and appends one EOS after a stop string when
+    ``append_eos_token_after_stop_str_in_multi_turn`` and
+    ``use_conversation_multi_turn`` hold (not in ``batched`` generation).
+    Step-wise trajectories keep each step's observation, which nothing bounds.
+    """
+    generator = cfg.generator
+    appended_eos = bool(
+        generator.sampling_params.stop
+        and generator.append_eos_token_after_stop_str_in_multi_turn
+        and generator.use_conversation_multi_turn
+        and not generator.batched
+    )
+    return longest_prompt(cfg) + generator.sampling_params.max_generate_length + int(appended_eos)
+
+
 def optimizer_steps(cfg: SkyRLTrainConfig, training_batches: int) -> int:
     """Optimizer steps of the whole run: one per policy mini-batch, per update epoch, per training batch."""
     trainer = cfg.trainer

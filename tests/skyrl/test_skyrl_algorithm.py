@@ -59,8 +59,41 @@ def test_loss_reduction_maps_to_arctic_aggregation(reduction, mode):
 
 
 def test_dr_grpo_normalizes_by_max_seq_len_through_the_padded_horizon():
-    plan = plan_for("trainer.algorithm.loss_reduction=seq_mean_token_sum_norm", "trainer.algorithm.max_seq_len=1024")
+    plan = plan_for(
+        "trainer.algorithm.loss_reduction=seq_mean_token_sum_norm",
+        "trainer.algorithm.max_seq_len=1024",
+        "trainer.max_prompt_length=256",
+        "generator.sampling_params.max_generate_length=768",
+    )
     assert plan.config["loss_agg_mode"] == "seq-mean-token-sum-norm" and plan.horizon == 1024
+
+
+DR_GRPO = ("trainer.algorithm.loss_reduction=seq_mean_token_sum_norm", "trainer.max_prompt_length=256")
+
+
+@pytest.mark.parametrize(
+    ("overrides", "widest"),
+    [
+        (("generator.sampling_params.max_generate_length=768",), 1024),
+        # Multi-turn: each turn's input reaches generator.max_input_length, then a full generation.
+        (("generator.max_turns=4", "generator.max_input_length=2048", "generator.sampling_params.max_generate_length=256"), 2304),
+        # SkyRL's agent loop appends an EOS after a generation that ends in a stop string.
+        (("generator.sampling_params.max_generate_length=768", "generator.sampling_params.stop=['####']"), 1025),
+    ],
+)  # fmt: skip
+def test_dr_grpo_max_seq_len_below_what_a_batch_reaches_is_refused_at_startup(overrides, widest):
+    """arctic pads rows to max_seq_len; SkyRL only warns on a wider batch, arctic would fail mid-run."""
+    assert plan_for(*DR_GRPO, *overrides, f"trainer.algorithm.max_seq_len={widest}").horizon == widest
+    with pytest.raises(UnsupportedSkyRLSetting) as raised:
+        plan_for(*DR_GRPO, *overrides, f"trainer.algorithm.max_seq_len={widest - 1}")
+    assert f"trainer.algorithm.max_seq_len={widest - 1}" in str(raised.value)
+    assert f"at least {widest}" in str(raised.value)
+
+
+def test_dr_grpo_with_step_wise_trajectories_is_refused():
+    """A step keeps its observation, which no setting bounds, so no max_seq_len is sure to fit every batch."""
+    with pytest.raises(UnsupportedSkyRLSetting, match="generator.step_wise_trajectories"):
+        plan_for(*DR_GRPO, "trainer.algorithm.max_seq_len=100000", "generator.step_wise_trajectories=true")
 
 
 def test_kl_off_and_entropy_bonus_on():
