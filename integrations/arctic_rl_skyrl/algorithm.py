@@ -35,9 +35,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from skyrl.train.config import SkyRLTrainConfig
+from skyrl.backends.skyrl_train.inference_servers.engine_utils import get_vllm_sampling_params
+from skyrl.train.config import SamplingParams, SkyRLTrainConfig
 
+from arctic_rl_core.processors import LossConfigError, PostProcessingError, resolve_loss, resolve_post
 from arctic_rl_skyrl.config import longest_prompt, longest_sequence
+from arctic_rl_skyrl.inference_client import arctic_sampling_params
 
 SUPPORTED_POLICY_LOSSES = ("regular", "dual_clip")
 
@@ -205,10 +208,72 @@ def check_supported(cfg: SkyRLTrainConfig) -> LossPlan:
          "arctic-rl runs text-only models"),
         (engine.enable_return_routed_experts, "generator.inference_engine.enable_return_routed_experts", True,
          "arctic's sampler records no expert routes"),
-        (generator.sampling_params.min_p != 0.0, "generator.sampling_params.min_p", generator.sampling_params.min_p,
-         "arctic's sampler has temperature, top_p and top_k; set it to 0"),
+        (engine.enable_return_sample_support_set, "generator.inference_engine.enable_return_sample_support_set",
+         True, "arctic's sampler records no sample support"),
     ]  # fmt: skip
     for refused, setting, value, instead in refusals:
         if refused:
             raise _unsupported(setting, value, instead)
-    return loss_plan(cfg)
+    _check_sampling_params("generator.sampling_params", generator.sampling_params)
+    _check_sampling_params("generator.eval_sampling_params", generator.eval_sampling_params)
+    plan = loss_plan(cfg)
+    _check_loss_config(plan)
+    return plan
+
+
+def _check_sampling_params(path: str, params: Optional[SamplingParams]) -> None:
+    """The sampling params SkyRL's generator will send (``get_vllm_sampling_params``), as the client will take them."""
+    if params is None:
+        return
+    if params.min_p != 0.0:
+        raise _unsupported(
+            f"{path}.min_p", params.min_p, "arctic's sampler has temperature, top_p and top_k; set it to 0"
+        )
+    try:
+        arctic_sampling_params(get_vllm_sampling_params(params))
+    except ValueError as err:
+        # min_p aside, only additional_kwargs can carry what arctic's sampler refuses.
+        setting = f"{path}.additional_kwargs={params.additional_kwargs!r}" if params.additional_kwargs else path
+        raise UnsupportedSkyRLSetting(f"{setting} is not supported by the arctic-rl backend: {err}") from None
+
+
+# arctic's grpo config field -> the SkyRL setting it comes from.
+_LOSS_SETTINGS = {
+    "eps_clip": "trainer.algorithm.eps_clip_low",
+    "eps_clip_high": "trainer.algorithm.eps_clip_high",
+    "loss_agg_mode": "trainer.algorithm.loss_reduction",
+    "kl_coef": "trainer.algorithm.kl_loss_coef",
+    "kl_estimator": "trainer.algorithm.kl_estimator_type",
+    "entropy_coef": "trainer.algorithm.entropy_loss_coef",
+    "clip_ratio_c": "trainer.algorithm.clip_ratio_c",
+    "behav_imp_weight_cap": "trainer.algorithm.off_policy_correction.token_tis_ratio_clip_high",
+    "behav_imp_weight_mode": "trainer.algorithm.off_policy_correction.tis_ratio_type",
+}
+
+
+def _check_loss_config(plan: LossPlan) -> None:
+    """Validate the loss and post-processors as arctic's server will at the first fwd_bwd, naming SkyRL's settings."""
+    spec = resolve_loss(plan.loss_fn)
+    try:
+        spec.parse_config(plan.config)
+    except LossConfigError as err:
+        bad = [name for name, value in plan.config.items() if not _valid_alone(spec, name, value)]
+        named = ", ".join(f"{_LOSS_SETTINGS.get(name, name)}={plan.config[name]!r}" for name in bad)
+        raise UnsupportedSkyRLSetting(
+            f"{named or 'trainer.algorithm'} is not supported by the arctic-rl backend: {err}"
+        ) from None
+    try:
+        resolve_post(plan.post)
+    except PostProcessingError as err:
+        raise UnsupportedSkyRLSetting(
+            "trainer.algorithm.temperature (from generator.sampling_params.temperature) is not supported by the "
+            f"arctic-rl backend: {err}"
+        ) from None
+
+
+def _valid_alone(spec: Any, name: str, value: Any) -> bool:
+    try:
+        spec.parse_config({name: value})
+    except LossConfigError:
+        return False
+    return True

@@ -145,11 +145,32 @@ def test_sampling_temperature_becomes_a_logit_post_processor_for_every_policy_fo
             "trainer.algorithm.off_policy_correction.sequence_mask_metric=geometric",
             "trainer.algorithm.off_policy_correction.sequence_mask_metric='geometric'",
         ),
+        # Sampling params SkyRL's generator would send and arctic's sampler refuses at the first generate.
+        (
+            "generator.sampling_params.additional_kwargs={repetition_penalty: 1.1}",
+            "generator.sampling_params.additional_kwargs={'repetition_penalty': 1.1}",
+        ),
+        ("generator.eval_sampling_params.min_p=0.1", "generator.eval_sampling_params.min_p=0.1"),
+        (
+            "generator.eval_sampling_params.additional_kwargs={frequency_penalty: 0.5}",
+            "generator.eval_sampling_params.additional_kwargs={'frequency_penalty': 0.5}",
+        ),
+        (
+            ("generator.inference_engine.enable_return_sample_support_set=true", "generator.sampling_params.top_k=20"),
+            "generator.inference_engine.enable_return_sample_support_set=True",
+        ),
+        # Loss settings arctic's server rejects at the first fwd_bwd.
+        (
+            ("trainer.algorithm.policy_loss_type=dual_clip", "trainer.algorithm.clip_ratio_c=1.0"),
+            "trainer.algorithm.clip_ratio_c=1.0",
+        ),
+        ("trainer.algorithm.kl_loss_coef=-0.1", "trainer.algorithm.kl_loss_coef=-0.1"),
+        ("generator.sampling_params.temperature=0", "trainer.algorithm.temperature"),
     ],
 )
 def test_unsupported_setting_fails_at_startup_naming_it(override, named):
     with pytest.raises(UnsupportedSkyRLSetting) as raised:
-        plan_for(override)
+        plan_for(*(override if isinstance(override, tuple) else (override,)))
     assert named in str(raised.value)
 
 
