@@ -23,8 +23,12 @@ temperature                              post-processor ``temperature`` on the p
                                          reference log-probs at temperature 1 (as SkyRL's)
 =======================================  =====================================================
 
-arctic aggregates the KL and entropy terms in the policy term's mode, where
-SkyRL always takes a sequence mean of token means for them.
+SkyRL reduces the KL term as a sequence mean of token means and the entropy
+term as a token mean, whatever ``loss_reduction`` says (``kl_agg_mode``,
+``entropy_agg_mode``), and its sequence means divide by every row of the
+mini-batch, rows its filters masked out included (``num_sequences``, per call).
+SkyRL's entropy term is a token mean per micro-batch, weighted by the
+micro-batch's rows: equal to arctic's with one micro-batch per worker.
 
 Anything else that changes what the policy worker computes is refused at
 startup by :func:`check_supported`, naming the setting.
@@ -66,8 +70,10 @@ class LossPlan:
     rollout_correction: bool = False  # decoupled PPO against the sampler's log-probs (token TIS)
     horizon: Optional[int] = None  # pad calls to this many columns: the Dr. GRPO normalizer
 
-    def processing(self) -> dict[str, Any]:
-        return {"loss_fn": self.loss_fn, "config": dict(self.config), "post": list(self.post)}
+    def processing(self, rows: Optional[int] = None) -> dict[str, Any]:
+        """The fwd_bwd processing of a mini-batch of ``rows`` rows, SkyRL's divisor for its sequence means."""
+        config = dict(self.config) if rows is None else {**self.config, "num_sequences": rows}
+        return {"loss_fn": self.loss_fn, "config": config, "post": list(self.post)}
 
     def forward_processing(self, reference: bool = False) -> Optional[dict[str, Any]]:
         """fwd_no_grad applies only the post-processors (temperature), so old and new log-probs match.
@@ -110,6 +116,9 @@ def loss_plan(cfg: SkyRLTrainConfig) -> LossPlan:
         "kl_coef": algorithm.kl_loss_coef if algorithm.use_kl_loss else 0.0,
         "kl_estimator": algorithm.kl_estimator_type,
         "entropy_coef": algorithm.entropy_loss_coef if algorithm.use_entropy_loss else 0.0,
+        # SkyRL's policy worker: masked_mean(kl, mask, dim=-1).mean() and masked_mean(entropy, mask).
+        "kl_agg_mode": "seq-mean-token-mean",
+        "entropy_agg_mode": "token-mean",
     }
     if algorithm.policy_loss_type == "dual_clip":
         config["clip_ratio_c"] = algorithm.clip_ratio_c

@@ -101,7 +101,8 @@ class ArcticDispatch:
         self._wake_training()
         context = training_context(data, self.plan.reference, self.plan.rollout_correction)
         batch = model_batch(data, context, horizon=self.plan.horizon)
-        result = self.session.call(lambda client: client.fwd_bwd(batch=batch, processing=self.plan.processing()))
+        processing = self.plan.processing(rows=len(batch["args"][0]))
+        result = self.session.call(lambda client: client.fwd_bwd(batch=batch, processing=processing))
         metrics = {"final_loss": float(result["loss"]), "response_length": int(data.metadata["response_length"])}
         for name, value in result["metrics"].items():
             metrics[_METRIC_NAMES.get(name, f"loss_metrics/{name}")] = float(value)
