@@ -25,7 +25,10 @@ def test_regular_ppo_with_skyrl_defaults_is_grpo_with_kl_to_the_reference():
         "kl_coef": 0.001,
         "kl_estimator": "k3",
         "entropy_coef": 0.0,
+        "kl_agg_mode": "seq-mean-token-mean",
+        "entropy_agg_mode": "token-mean",
     }
+    assert plan.processing(rows=16)["config"]["num_sequences"] == 16
     assert plan.reference and not plan.rollout_correction and plan.post == []
 
 
