@@ -107,6 +107,33 @@ def test_blocks_completed_by_pending_tokens_are_cached_under_their_sampled_token
     assert hits == {False: 12, True: 12}
 
 
+def test_a_request_joining_mid_decode_never_hits_a_block_whose_last_kv_is_still_unwritten(model):
+    prompt = [5, 6, 7, 8, 9, 10, 11]
+    greedy = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    generated = _engine(model, async_scheduling=False).generate([prompt], greedy)[0][0].token_ids
+    # Extends the running generation across several full blocks, so it hits the ones that generation filled.
+    follow = prompt + generated[:9] + [42, 43]
+    follow_params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    want = _engine(model, False, enable_prefix_caching=False).generate([follow], follow_params)[0][0]
+    for steps_before in range(1, 10):
+        hits = {}
+        for async_scheduling in (False, True):
+            engine = _engine(model, async_scheduling)
+            engine.runner.kv_cache.fill_(3.0)  # an unwritten slot then reads as garbage, not as zeros
+            engine.add_request(prompt, greedy, request_id="running")
+            for _ in range(steps_before):
+                engine.step()
+            engine.add_request(follow, follow_params, request_id="joining")
+            outputs = {}
+            while engine.has_unfinished():
+                outputs.update({o.request_id: o.completions for o in engine.step()})
+            got = outputs["joining"][0]
+            assert got.token_ids == want.token_ids, (steps_before, async_scheduling)
+            torch.testing.assert_close(torch.tensor(got.logprobs), torch.tensor(want.logprobs))
+            hits[async_scheduling] = engine.prefix_cache_stats()["hit_tokens"]
+        assert hits[True] == hits[False], steps_before
+
+
 def test_an_abort_while_a_step_is_in_flight_frees_the_blocks_and_returns_nothing(model):
     engine = _engine(model, async_scheduling=True)
     engine.add_request(PROMPTS[2], SamplingParams(n=2, max_tokens=40, ignore_eos=True), request_id="gone")

@@ -135,7 +135,7 @@ class NativeEngine:
             except BaseException:
                 self._launched = launched  # still to be read; the caller's aborts come after it
                 raise
-            outputs = self._complete(launched)
+            outputs = self._complete(launched, next_step_launched=True)
             running = [s for s in batch.seqs if not s.is_finished]
             if running:
                 self._leave_in_flight(step, running)
@@ -177,8 +177,14 @@ class NativeEngine:
             new_blocks += len(seq.block_table) < seq.num_blocks
         return new_blocks <= self.block_manager.num_free_blocks
 
-    def _complete(self, step: _LaunchedStep) -> list[RequestOutput]:
-        """Read a step's tokens: append them (or fill in the pending ones) and finish what stopped."""
+    def _complete(self, step: _LaunchedStep, next_step_launched: bool = False) -> list[RequestOutput]:
+        """Read a step's tokens: append them (or fill in the pending ones) and finish what stopped.
+
+        A pending token's block is registered here only when ``next_step_launched``:
+        that step writes the token's KV before any later request can read it.
+        Otherwise the KV is not computed yet, and ``may_append`` registers the
+        block when the decode step that computes it is scheduled.
+        """
         tokens, logprobs = step.sampled.values()
         finished = []
         for seq, token, logprob in zip(step.batch.seqs, tokens, logprobs):
@@ -191,7 +197,7 @@ class NativeEngine:
                 seq.append(token, logprob)
             if self._stop(seq):
                 finished.append(seq.request_id)
-            elif pending:
+            elif pending and next_step_launched:
                 self.block_manager.register_last_block(seq)  # scheduled before its token was known
         outputs = []
         for request_id in dict.fromkeys(finished):
