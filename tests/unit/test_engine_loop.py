@@ -56,3 +56,18 @@ def test_a_refused_prompt_fails_its_whole_call_and_nothing_of_it_runs(engine):
         assert not loop.call(lambda e: e.has_unfinished())
     finally:
         loop.stop()
+
+
+@pytest.mark.parametrize("stop_id", [-1, 5000])
+def test_a_stop_token_id_outside_the_vocabulary_fails_only_its_caller_naming_the_field(engine, stop_id):
+    vocab = engine.config.spec.vocab_size
+    loop = EngineLoop(engine)
+    try:
+        good = loop.submit([5, 100, 300, 50], SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True))
+        # min_tokens > 0 makes the sampler ban the id by index: it must never reach a step.
+        bad = loop.submit([7, 8, 9], SamplingParams(max_tokens=4, min_tokens=2, stop_token_ids=[3, stop_id]))
+        with pytest.raises(ValueError, match=rf"stop_token_ids holds \[{stop_id}\]; expected ints in \[0, {vocab}\)"):
+            bad.result(timeout=60)
+        assert len(good.result(timeout=60)[0].token_ids) == 20
+    finally:
+        loop.stop()

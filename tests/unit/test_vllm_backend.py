@@ -143,6 +143,11 @@ def test_a_token_id_outside_the_vocabulary_is_rejected_by_index(backend):
         backend.generate([PROMPT, [5, 5000, 6, -1]], GREEDY)
 
 
+def test_a_stop_token_id_outside_the_vocabulary_is_the_native_engines_value_error(backend):
+    with pytest.raises(ValueError, match=r"stop_token_ids holds \[1024, -2\]; expected ints in \[0, 1024\)"):
+        backend.generate([PROMPT], SamplingParams(max_tokens=4, min_tokens=2, stop_token_ids=[5, 1024, -2]))
+
+
 def test_sampling_params_vllm_refuses_are_a_value_error_naming_the_field(backend):
     # vLLM's VLLMValidationError is no ValueError: left as it is, the server answers 500, not 400.
     with pytest.raises(ValueError, match=r"sampling_params.temperature=3.0: .*\[0, 2\]"):

@@ -82,6 +82,14 @@ def check_prompt(prompt: list[int], max_model_len: int, vocab_size: int, name: s
         raise ValueError(f"{name} holds {bad[:4]}; expected ints in [0, {vocab_size})")
 
 
+def check_sampling_params(params: SamplingParams, vocab_size: int) -> None:
+    """Params every backend can serve on this model: stop ids in the vocabulary (the sampler bans them by
+    index before ``min_tokens``; an id outside it would fail the whole batch's step)."""
+    bad = [t for t in params.stop_token_ids if not 0 <= t < vocab_size]
+    if bad:
+        raise ValueError(f"stop_token_ids holds {bad[:4]}; expected ints in [0, {vocab_size})")
+
+
 @dataclass
 class Completion:
     """One sampled continuation of a prompt."""

@@ -42,7 +42,13 @@ from arctic_rl_core.engines.sampling.native.sampler import SampledTokens, noise_
 from arctic_rl_core.engines.sampling.native.scheduler import Batch, Scheduler
 from arctic_rl_core.engines.sampling.native.sequence import Sequence
 from arctic_rl_core.engines.sampling.native.weights import WeightLoader, iter_checkpoint
-from arctic_rl_core.engines.sampling.protocol import Completion, SamplingEngineOptions, SamplingParams, check_prompt
+from arctic_rl_core.engines.sampling.protocol import (
+    Completion,
+    SamplingEngineOptions,
+    SamplingParams,
+    check_prompt,
+    check_sampling_params,
+)
 
 SLEEP_TAGS = ("weights", "kv_cache")
 _SEED_MULTIPLIER = 0x9E3779B97F4A7C15  # odd 64-bit constant: distinct seeds for a request's n completions
@@ -99,6 +105,7 @@ class NativeEngine:
         """Queue ``params.n`` completions of one prompt; returns the request id (generated when None)."""
         self._require_awake()
         self._check_prompt(prompt_token_ids)
+        check_sampling_params(params, self.config.spec.vocab_size)
         if params.stop and self.tokenizer is None:
             raise ValueError(f"stop={params.stop!r} needs a tokenizer, and {self.config.model_path!r} has none")
         with self._lock:
@@ -303,6 +310,7 @@ class NativeEngine:
         """
         for prompt in prompt_token_ids:
             self._check_prompt(prompt)
+        check_sampling_params(params, self.config.spec.vocab_size)
         ids = [self.add_request(prompt, params) for prompt in prompt_token_ids]
         pending = set(ids)
         results: dict[Hashable, list[Completion]] = {}

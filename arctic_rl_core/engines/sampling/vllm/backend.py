@@ -20,7 +20,13 @@ from typing import Iterable
 
 import torch
 
-from arctic_rl_core.engines.sampling.protocol import Completion, SamplingEngineOptions, SamplingParams, check_prompt
+from arctic_rl_core.engines.sampling.protocol import (
+    Completion,
+    SamplingEngineOptions,
+    SamplingParams,
+    check_prompt,
+    check_sampling_params,
+)
 from arctic_rl_core.engines.sampling.vllm import worker_ops
 from arctic_rl_core.engines.sampling.vllm.engine_args import check_platform, prepare_vllm_process, vllm_engine_kwargs
 
@@ -90,6 +96,7 @@ class VLLMBackend:
         """``params.n`` completions for each prompt, in prompt order, with the log-prob of every sampled token."""
         self._check_ready()
         self._check_prompts("prompt_token_ids", prompt_token_ids)
+        check_sampling_params(params, self.llm.llm_engine.model_config.get_vocab_size())
         if not prompt_token_ids:
             return []
         from vllm import SamplingParams as VLLMSamplingParams
