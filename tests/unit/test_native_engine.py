@@ -116,6 +116,18 @@ def test_eos_from_generation_config_stops_unless_ignore_eos(models, tmp_path):
     assert ignored.token_ids == free.token_ids and ignored.finish_reason == "length"
 
 
+def test_min_tokens_bans_eos_even_under_ignore_eos(models, tmp_path):
+    path = tmp_path / "eos-model"
+    shutil.copytree(models["llama"], path)
+    free = _engine(path).generate([PROMPTS[1]], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))[0][0]
+    eos = free.token_ids[0]
+    config = json.loads((path / "generation_config.json").read_text())
+    (path / "generation_config.json").write_text(json.dumps({**config, "eos_token_id": eos}))
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, min_tokens=3)
+    held = _engine(path).generate([PROMPTS[1]], params)[0][0]
+    assert eos not in held.token_ids[:3] and held.finish_reason == "length" and len(held.token_ids) == 8
+
+
 @pytest.mark.parametrize("level", [1, 2])
 def test_sleep_frees_the_kv_cache_and_wake_restores_generation(models, level):
     engine = _engine(models["qwen2"])

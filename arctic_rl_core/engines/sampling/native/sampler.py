@@ -119,11 +119,10 @@ class Sampler:
             )
 
     def _banned(self, seqs: list[Sequence]) -> torch.Tensor:
-        """Per row, the tokens that would end it before ``min_tokens`` (-1 pads)."""
+        """Per row, the tokens banned before ``min_tokens`` (-1 pads): stop ids and EOS, even under
+        ``ignore_eos``, as vLLM bans them."""
         lists = [
-            list(s.params.stop_token_ids) + ([] if s.params.ignore_eos else self.eos_token_ids)
-            if s.num_completion_tokens < s.params.min_tokens
-            else []
+            list(s.params.stop_token_ids) + self.eos_token_ids if s.num_completion_tokens < s.params.min_tokens else []
             for s in seqs
         ]
         width = max(map(len, lists), default=0)
