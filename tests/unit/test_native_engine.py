@@ -5,7 +5,7 @@ import shutil
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from arctic_rl_core.engines.sampling.native import NativeEngine
 from arctic_rl_core.engines.sampling.protocol import SamplingEngineOptions, SamplingParams
@@ -114,6 +114,24 @@ def test_eos_from_generation_config_stops_unless_ignore_eos(models, tmp_path):
     assert (stopped.finish_reason, stopped.stop_reason) == ("stop", None)
     ignored = engine.generate([PROMPTS[1]], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))[0][0]
     assert ignored.token_ids == free.token_ids and ignored.finish_reason == "length"
+
+
+def test_the_tokenizers_eos_stops_even_when_generation_config_lists_other_eos_ids(models, tmp_path):
+    # A fine-tuned checkpoint whose tokenizer EOS changed while generation_config.json kept the base model's.
+    path = tmp_path / "eos-model"
+    shutil.copytree(models["llama"], path)
+    free = _engine(path).generate([PROMPTS[1]], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))[0][0]
+    eos = free.token_ids[2]
+    generation_config = json.loads((path / "generation_config.json").read_text())
+    assert generation_config["eos_token_id"] not in free.token_ids
+    tokenizer_config = json.loads((path / "tokenizer_config.json").read_text())
+    tokenizer_config["eos_token"] = AutoTokenizer.from_pretrained(path).convert_ids_to_tokens(eos)
+    (path / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
+    engine = _engine(path)
+    assert engine.tokenizer.eos_token_id == eos
+    stopped = engine.generate([PROMPTS[1]], SamplingParams(max_tokens=8, temperature=0))[0][0]
+    assert stopped.token_ids == free.token_ids[: free.token_ids.index(eos) + 1]
+    assert (stopped.finish_reason, stopped.stop_reason) == ("stop", None)
 
 
 def test_min_tokens_bans_eos_even_under_ignore_eos(models, tmp_path):

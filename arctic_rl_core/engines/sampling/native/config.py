@@ -104,7 +104,7 @@ class EngineConfig:
 
 
 def eos_token_ids(model_path: str, hf_config) -> set[int]:
-    """End-of-sequence ids: generation_config.json first (as HF generate uses it), else the model config."""
+    """generation_config.json's end-of-sequence ids, else the model config's; the engine adds the tokenizer's."""
     ids = None
     generation_config = Path(model_path) / "generation_config.json"
     if generation_config.exists():

@@ -80,8 +80,10 @@ class NativeEngine:
     def __init__(self, model_path: str, options: SamplingEngineOptions):
         config = EngineConfig.from_options(model_path, options)
         self.tokenizer = _load_tokenizer(model_path)
-        if not config.eos_token_ids and self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
-            config = dataclasses.replace(config, eos_token_ids=frozenset({self.tokenizer.eos_token_id}))
+        # As in vLLM: the tokenizer's EOS is the primary one; generation_config's EOS ids are added to it.
+        self.eos_token_id = self.tokenizer.eos_token_id if self.tokenizer is not None else None
+        if self.eos_token_id is not None:
+            config = dataclasses.replace(config, eos_token_ids=config.eos_token_ids | {self.eos_token_id})
         self.config = config
         self.eos_token_ids = config.eos_token_ids
         self.runner = ModelRunner(config)
