@@ -111,7 +111,8 @@ def test_eos_from_generation_config_stops_unless_ignore_eos(models, tmp_path):
     engine = _engine(path)
     stopped = engine.generate([PROMPTS[1]], SamplingParams(max_tokens=8, temperature=0))[0][0]
     assert stopped.token_ids == free.token_ids[: free.token_ids.index(eos) + 1]
-    assert (stopped.finish_reason, stopped.stop_reason) == ("stop", None)
+    # Not the tokenizer's EOS: vLLM reports it as a stop token id.
+    assert (stopped.finish_reason, stopped.stop_reason) == ("stop", eos)
     ignored = engine.generate([PROMPTS[1]], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))[0][0]
     assert ignored.token_ids == free.token_ids and ignored.finish_reason == "length"
 

@@ -248,7 +248,8 @@ class NativeEngine:
         # there; a stop string ending in their text is ignored).
         if seq.num_completion_tokens > p.min_tokens:
             if not p.ignore_eos and token in self.eos_token_ids:
-                self.scheduler.finish(seq, "stop")
+                # vLLM turns generation_config's other EOS ids into stop ids, so they are the stop_reason.
+                self.scheduler.finish(seq, "stop", stop_reason=None if token == self.eos_token_id else token)
                 return True
             if token in p.stop_token_ids:
                 self.scheduler.finish(seq, "stop", stop_reason=token)
