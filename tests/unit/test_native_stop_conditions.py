@@ -75,3 +75,19 @@ def test_a_prompt_without_room_to_generate_is_rejected_naming_the_field_and_the_
     with pytest.raises(ValueError, match=r"prompt_token_ids has 64 tokens; expected at most 63.*max_model_len=64"):
         engine.add_request([5] * 64, SamplingParams())
     assert engine.generate([[5] * 63], SamplingParams(max_tokens=4))[0][0].finish_reason == "length"
+
+
+def test_the_text_leaves_out_a_trailing_incomplete_utf8_sequence_as_vllms_detokenizer_does(engine):
+    greedy = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+    for prompt in ([5 + i, 100 + 7 * i, 300 + 11 * i, 50 + i] for i in range(24)):
+        free = engine.generate([prompt], greedy)[0][0]
+        cuts = [k for k in range(1, 11) if engine._decode(free.token_ids[:k]).endswith("\ufffd")]
+        if cuts:
+            break
+    else:
+        pytest.fail("no greedy completion ends a token in the middle of a UTF-8 sequence")
+    cut = engine.generate([prompt], greedy.model_copy(update={"max_tokens": cuts[0]}))[0][0]
+    assert cut.token_ids == free.token_ids[: cuts[0]]
+    held_back = next(k for k in range(cuts[0], -1, -1) if not engine._decode(free.token_ids[:k]).endswith("\ufffd"))
+    assert cut.text == engine._decode(free.token_ids[:held_back])
+    assert free.text.startswith(cut.text) and not cut.text.endswith("\ufffd")

@@ -294,6 +294,12 @@ class NativeEngine:
         text = self._decode(token_ids)
         if seq.text_end is not None:
             text = text[: seq.text_end]
+        else:
+            # A tail of tokens whose text ends in U+FFFD may hold an incomplete UTF-8 sequence: vLLM's incremental
+            # detokenizer holds such tokens back until a later one completes it, so a finished text lacks them.
+            while text.endswith("\ufffd"):
+                token_ids = token_ids[:-1]
+                text = self._decode(token_ids)
         return Completion(
             token_ids=seq.completion_token_ids,
             text=text,
