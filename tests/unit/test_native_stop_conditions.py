@@ -91,3 +91,23 @@ def test_the_text_leaves_out_a_trailing_incomplete_utf8_sequence_as_vllms_detoke
     held_back = next(k for k in range(cuts[0], -1, -1) if not engine._decode(free.token_ids[:k]).endswith("\ufffd"))
     assert cut.text == engine._decode(free.token_ids[:held_back])
     assert free.text.startswith(cut.text) and not cut.text.endswith("\ufffd")
+
+
+def test_of_stop_strings_one_token_completes_the_one_ending_first_wins_then_the_first_listed(engine, free):
+    texts = [engine._decode(free.token_ids[: i + 1]) for i in range(len(free.token_ids))]
+
+    def first_ends_in_token(k, stop):
+        return len(texts[k - 1]) < texts[k].find(stop) + len(stop) <= len(texts[k]) and texts[k].find(stop) >= 0
+
+    k = next(
+        k
+        for k in range(1, len(texts))
+        if all(texts[j + 1].startswith(texts[j]) for j in range(k))
+        and len(new := texts[k][len(texts[k - 1]) :]) >= 3
+        and all(first_ends_in_token(k, s) for s in (new, new[1:], new[1:-1]))
+    )
+    before, new = texts[k - 1], texts[k][len(texts[k - 1]) :]
+    for stops, want in (([new, new[1:-1]], new[1:-1]), ([new[1:], new], new[1:]), ([new, new[1:]], new)):
+        out = engine.generate([PROMPT], SamplingParams(**GREEDY, stop=stops))[0][0]
+        assert out.token_ids == free.token_ids[: k + 1]
+        assert (out.finish_reason, out.stop_reason, out.text) == ("stop", want, (before + new)[: texts[k].find(want)])

@@ -270,15 +270,24 @@ class NativeEngine:
         return seq.num_completion_tokens >= seq.params.max_tokens or seq.num_tokens >= self.config.max_model_len
 
     def _find_stop_string(self, seq: Sequence) -> tuple[int, str] | None:
-        """The earliest stop string that the newest token completed, as (text position, string)."""
-        text = self._decode(seq.completion_token_ids)
-        previous = self._decode(seq.completion_token_ids[:-1])
+        """The stop string the newest token completed, as (text position, string).
+
+        As vLLM picks: the one that ends first in the text, ties by list order.
+        """
+        completion = seq.completion_token_ids
+        # Stop strings are checked at every token from min_tokens on: the last check's text is the one before this.
+        if seq.checked_text is not None and seq.checked_text[0] == len(completion) - 1:
+            previous = seq.checked_text[1]
+        else:
+            previous = self._decode(completion[:-1])
+        text = self._decode(completion)
+        seq.checked_text = (len(completion), text)
         # Only an occurrence that ends in the new text is new; one that ended earlier was seen (or ignored
         # before min_tokens) then. Searching from where a new one can start skips the old ones.
         best = None
         for stop in seq.params.stop:
             at = text.find(stop, max(0, len(previous) - len(stop) + 1))
-            if at != -1 and (best is None or at < best[0]):
+            if at != -1 and (best is None or at + len(stop) < best[0] + len(best[1])):
                 best = (at, stop)
         return best
 

@@ -51,6 +51,7 @@ class Sequence:
         self.finish_reason: str | None = None
         self.stop_reason: str | int | None = None
         self.text_end: int | None = None  # where a stop string starts in the decoded text
+        self.checked_text: tuple[int, str] | None = None  # (completion tokens, their text) at the last stop check
 
     def __len__(self) -> int:
         return len(self.token_ids)
