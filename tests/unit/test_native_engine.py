@@ -77,6 +77,18 @@ def test_top_k_one_and_a_tiny_top_p_both_sample_the_greedy_tokens(models):
         )  # fmt: skip
 
 
+@pytest.mark.parametrize("temperature", [1e-6, 1e-30, 1e-40, 1e-45])
+def test_a_temperature_below_1e_5_is_greedy(models, temperature):
+    engine = _engine(models["llama"])
+    greedy = engine.generate(PROMPTS, SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))
+    params = SamplingParams(n=2, max_tokens=6, temperature=temperature, ignore_eos=True, seed=0, top_k=50, top_p=0.9)
+    assert params.greedy and not params.model_copy(update={"temperature": 1e-5}).greedy
+    sampled = engine.generate(PROMPTS, params)
+    for got, want in zip(sampled, greedy, strict=True):
+        assert [c.token_ids for c in got] == [want[0].token_ids] * 2
+        torch.testing.assert_close(torch.tensor(got[0].logprobs), torch.tensor(want[0].logprobs), atol=1e-5, rtol=0)
+
+
 def test_stop_string_ends_the_completion_and_is_trimmed_from_the_text(models):
     engine = _engine(models["qwen2"])
     free = engine.generate([PROMPTS[1]], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))[0][0]

@@ -14,6 +14,8 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 FinishReason = Literal["stop", "length", "abort"]
+# Below this temperature sampling is greedy, as vLLM's _SAMPLING_EPS: 1 / temperature would overflow float32.
+GREEDY_TEMPERATURE = 1e-5
 
 
 class SamplingParams(BaseModel):
@@ -26,7 +28,7 @@ class SamplingParams(BaseModel):
     min_tokens: int = Field(
         0, ge=0, description="Tokens before any may end the completion (EOS, stop_token_ids, a stop string's end)."
     )
-    temperature: float = Field(1.0, ge=0.0, le=100.0, description="0 means greedy.")
+    temperature: float = Field(1.0, ge=0.0, le=100.0, description="Below 1e-5 (0 too) means greedy.")
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int = Field(-1, ge=-1, description="-1 or 0 disables top-k.")
     stop: list[Annotated[str, Field(min_length=1)]] = Field(
@@ -61,7 +63,7 @@ class SamplingParams(BaseModel):
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_TEMPERATURE
 
     @property
     def top_k_enabled(self) -> bool:

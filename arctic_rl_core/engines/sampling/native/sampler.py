@@ -108,7 +108,9 @@ class Sampler:
     def _prepare_batch(self, key: tuple[int, ...], seqs: list[Sequence]) -> None:
         params = [s.params for s in seqs]
         self._batch_key = key
-        self._temperature = torch.tensor([p.temperature for p in params], dtype=torch.float32).to(self.device)
+        # The kernels take temperature 0 as greedy: a greedy row's tiny temperature must not reach 1 / temperature.
+        temperatures = [0.0 if p.greedy else p.temperature for p in params]
+        self._temperature = torch.tensor(temperatures, dtype=torch.float32).to(self.device)
         filtered = [i for i, p in enumerate(params) if not p.greedy and (p.top_k_enabled or p.top_p < 1.0)]
         self._filtered = None
         if filtered:

@@ -109,7 +109,7 @@ class VLLMBackend:
                 n=1 if params.greedy else params.n,
                 max_tokens=params.max_tokens,
                 min_tokens=params.min_tokens,
-                temperature=params.temperature,
+                temperature=0.0 if params.greedy else params.temperature,  # greedy as the native engine's
                 top_p=params.top_p,
                 top_k=params.top_k if params.top_k_enabled else 0,
                 stop=list(params.stop) or None,
