@@ -103,11 +103,6 @@ class SamplingJob(Job):
                 f"sampling_params.max_tokens={sampling_params.max_tokens}: expected < max_model_len="
                 f"{self.max_model_len} (prompt and completion share it)"
             )
-        if sampling_params.min_tokens > sampling_params.max_tokens:
-            raise BadRequest(
-                f"sampling_params.min_tokens={sampling_params.min_tokens}: expected <= max_tokens="
-                f"{sampling_params.max_tokens}"
-            )
 
     def _assign(self, count: int) -> list[tuple[int, int, int]]:
         """(replica, start, stop) chunks: an even split, least-loaded replicas first."""

@@ -246,3 +246,9 @@ def test_logprobs_takes_vllms_integer_form_without_inverting_it():
     assert SamplingParams(logprobs=False).logprobs is False
     with pytest.raises(ValueError, match=r"logprobs\n.*5 asks for each token's top-5 alternatives"):
         SamplingParams(logprobs=5)
+
+
+def test_min_tokens_above_max_tokens_is_refused_naming_both_fields():
+    with pytest.raises(ValueError, match=r"min_tokens=5 exceeds max_tokens=2"):
+        SamplingParams(max_tokens=2, min_tokens=5)
+    assert SamplingParams(max_tokens=5, min_tokens=5).min_tokens == 5

@@ -46,6 +46,14 @@ class SamplingParams(BaseModel):
             data = {**data, "stop": [data["stop"]]}
         return data
 
+    @model_validator(mode="after")
+    def _min_tokens_within_max_tokens(self):
+        if self.min_tokens > self.max_tokens:
+            raise ValueError(
+                f"min_tokens={self.min_tokens} exceeds max_tokens={self.max_tokens}; expected min_tokens <= max_tokens"
+            )
+        return self
+
     @field_validator("logprobs", mode="before")
     @classmethod
     def _logprobs_in_vllms_form(cls, value):
