@@ -36,11 +36,48 @@ def head_dim(config) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
-def lm_head(model: nn.Module) -> nn.Module:
+class OutputHead(nn.Module):
+    """The LM head followed by the model's own final-logit transforms: a scale, then a soft cap.
+
+    HF applies them in the causal LM's forward, after its ``lm_head`` (Cohere's
+    ``logit_scale``, Granite's 1 / ``logits_scaling``, Falcon-H1's
+    ``lm_head_multiplier``, Gemma 2/3's ``final_logit_softcapping``); an
+    engine that calls the head on selected rows must apply them too.
+    """
+
+    def __init__(self, head: nn.Module, scale: float = 1.0, softcap: float | None = None):
+        super().__init__()
+        self.head, self.scale, self.softcap = head, scale, softcap
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self.head.weight
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = self.head(hidden)
+        if self.scale != 1.0:
+            logits = logits * self.scale
+        if self.softcap is not None:
+            logits = torch.tanh(logits / self.softcap) * self.softcap
+        return logits
+
+
+def final_logit_transform(config) -> tuple[float, float | None]:
+    """(scale, soft cap) the model's forward applies to its logits; (1.0, None) for most models."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    scale = getattr(text, "logit_scale", None)
+    if scale is None:
+        scale = getattr(text, "lm_head_multiplier", None)
+    if scale is None and getattr(text, "logits_scaling", None) is not None:
+        scale = 1.0 / text.logits_scaling
+    return (1.0 if scale is None else float(scale)), getattr(text, "final_logit_softcapping", None)
+
+
+def lm_head(model: nn.Module) -> OutputHead:
     head = model.get_output_embeddings()
     if head is None:
         raise TypeError(f"{type(model).__name__} has no output embeddings (lm_head)")
-    return head
+    return OutputHead(head, *final_logit_transform(model.config))
 
 
 def selected_hidden_states(

@@ -72,3 +72,34 @@ def test_cuda_graphs_off_cuda_leave_the_forward_eager_and_say_so(caplog, zorro):
     assert graphed.metrics["cuda_graphs/replayed"] == (0.0, 1.0)
     assert "cuda_graphs/replayed" not in eager.metrics
     assert "CUDA graphs of the decoder layers are off: the model is not on CUDA" in caplog.text
+
+
+SMALL = dict(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+             num_key_value_heads=1, head_dim=16)  # fmt: skip
+# Each family's final-logit transform, set far enough from neutral that leaving it out shows.
+FINAL_LOGIT_TRANSFORMS = {
+    "Gemma2Config": dict(final_logit_softcapping=0.5),
+    "Gemma3TextConfig": dict(final_logit_softcapping=0.5),
+    "CohereConfig": dict(logit_scale=4.0),
+    "GraniteConfig": dict(logits_scaling=0.125),
+    "FalconH1Config": dict(lm_head_multiplier=3.0, mamba_d_ssm=32, mamba_n_heads=4, mamba_d_head=8,
+                           mamba_n_groups=1, mamba_d_state=8, mamba_chunk_size=8),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("family", list(FINAL_LOGIT_TRANSFORMS))
+def test_log_probs_equal_the_hf_forward_for_models_that_scale_or_soft_cap_their_logits(family):
+    """Gemma's soft cap and Cohere/Granite/Falcon-H1's scales live in the causal LM's forward, not its head."""
+    import transformers
+
+    torch.manual_seed(0)
+    config = getattr(transformers, family)(**SMALL, **FINAL_LOGIT_TRANSFORMS[family])
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    ids = torch.randint(3, 96, (2, 7), generator=torch.Generator().manual_seed(1))
+    select = torch.zeros_like(ids, dtype=torch.bool)
+    select[:, :-1] = True
+    with torch.no_grad():
+        logits = model(input_ids=ids, attention_mask=torch.ones_like(ids)).logits[:, :-1]
+        expected = logits.log_softmax(-1).gather(-1, ids[:, 1:, None]).squeeze(-1)
+        got = module.token_outputs(model, ids, torch.ones_like(ids), select).logprobs[:, :-1]
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
