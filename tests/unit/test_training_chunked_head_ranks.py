@@ -39,12 +39,11 @@ def test_agreed_chunks_past_a_ranks_rows_run_the_head_in_forward_and_backward_an
     from transformers import AutoModelForCausalLM
 
     from arctic_rl_core.engines import token_outputs
-    from arctic_rl_core.models.forward import lm_head
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
     monkeypatch.setattr(token_outputs, "LOGIT_CHUNK_BYTES", CHUNK_ROWS * model.config.vocab_size * 4)
     calls = []
-    lm_head(model).register_forward_hook(lambda *_: calls.append(None))
+    model.get_output_embeddings().register_forward_hook(lambda *_: calls.append(None))
     ids, mask = _batch(), _loss_mask()
 
     def run(agree_chunks):
