@@ -195,10 +195,11 @@ class OptimizerConfig(BaseModel):
     beta2: float = Field(0.999, ge=0, lt=1)
     eps: float = Field(1e-8, gt=0)
     gradient_clipping: float = Field(1.0, ge=0, description="Max global grad norm; 0 disables clipping.")
-    decay_norms_and_biases: bool = Field(
-        False,
-        description="Decay 1-D parameters (biases, norm weights) too, as verl's and SkyRL's AdamW do; by default "
-        "they are left undecayed, as in HF's Trainer.",
+    no_decay_params: Optional[list[str]] = Field(
+        None,
+        description="Names of the parameters weight decay skips. None: every parameter of fewer than 2 dimensions "
+        "(biases, norm weights); [] decays all, as verl's and SkyRL's AdamW do. The TRL adapter passes HF "
+        "Trainer's choice.",
     )
     lr_scheduler_type: Literal["constant", "linear", "cosine"] = "constant"
     warmup_steps_proportion: Optional[float] = Field(None, ge=0, le=1)

@@ -221,7 +221,7 @@ def client_config(
             "total_train_steps": total_optimizer_steps,
             "warmup_steps": 0 if optimizer.scheduler == "constant" else optimizer.num_warmup_steps,
             # SkyRL's FSDP AdamW decays every parameter, biases and norm weights included.
-            "decay_norms_and_biases": True,
+            "no_decay_params": [],
         },
         "mb_spec": _micro_batch_spec(cfg, where.training_gpus),
         "zorro_train": {"enable": arctic.zorro_train},

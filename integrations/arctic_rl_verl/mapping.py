@@ -383,7 +383,7 @@ def optimizer_settings(optim, steps_per_training_step: int) -> dict:
     settings = {
         "lr": optim.lr,
         "weight_decay": optim.weight_decay,
-        "decay_norms_and_biases": True,
+        "no_decay_params": [],
         "beta1": optim.betas[0],
         "beta2": optim.betas[1],
         "gradient_clipping": optim.grad_clip if optim.get("grad_clip") is not None else optim.clip_grad,

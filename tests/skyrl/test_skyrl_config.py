@@ -102,7 +102,7 @@ def test_client_config_carries_skyrl_optimizer_precision_and_schedule():
         "lr_scheduler_type": "cosine",
         "total_train_steps": 50,
         "warmup_steps": 5,
-        "decay_norms_and_biases": True,
+        "no_decay_params": [],
     }
     assert config.training_config["dtype"] == "float32"
     assert config.training_config["zorro_train"] == {"enable": True}

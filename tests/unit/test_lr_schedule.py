@@ -76,13 +76,22 @@ def test_warmup_steps_override_the_proportion():
     assert OptimizerConfig(warmup_steps=3, warmup_steps_proportion=0.5, total_train_steps=10).num_warmup_steps == 3
 
 
-@pytest.mark.parametrize("decay_all", [False, True])
-def test_decay_groups(decay_all):
+@pytest.mark.parametrize(
+    "no_decay_params, skipped",
+    [(None, {"0.bias", "1.weight", "1.bias"}), ([], set()), (["0.bias", "1.bias"], {"0.bias", "1.bias"})],
+)
+def test_decay_groups(no_decay_params, skipped):
+    """By default 1-D parameters are not decayed; a list names exactly the ones that are not ([]: none, as verl)."""
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.LayerNorm(4))
-    config = OptimizerConfig(weight_decay=0.1, decay_norms_and_biases=decay_all)
+    config = OptimizerConfig(weight_decay=0.1, no_decay_params=no_decay_params)
     optimizer = build_optimizer(model.named_parameters(), config, "cpu")
-    decayed = {id(p) for g in optimizer.param_groups if g["weight_decay"] == 0.1 for p in g["params"]}
-    undecayed = {id(p) for g in optimizer.param_groups if g["weight_decay"] == 0.0 for p in g["params"]}
-    one_dim = {id(model[0].bias), id(model[1].weight), id(model[1].bias)}
-    assert id(model[0].weight) in decayed
-    assert (one_dim <= decayed) if decay_all else (one_dim == undecayed)
+    names = {id(p): name for name, p in model.named_parameters()}
+    undecayed = {names[id(p)] for g in optimizer.param_groups if g["weight_decay"] == 0.0 for p in g["params"]}
+    decayed = {names[id(p)] for g in optimizer.param_groups if g["weight_decay"] == 0.1 for p in g["params"]}
+    assert undecayed == skipped and decayed == set(names.values()) - skipped
+
+
+def test_no_decay_params_naming_no_parameter_is_refused_by_field():
+    model = torch.nn.Linear(4, 4)
+    with pytest.raises(ValueError, match=r"no_decay_params: the model has no trainable \['bais'\]"):
+        build_optimizer(model.named_parameters(), OptimizerConfig(no_decay_params=["bias", "bais"]), "cpu")

@@ -50,12 +50,17 @@ def build_ds_config(user: dict, training: TrainingConfig | None, dtype: str) -> 
 
 
 def build_optimizer(params, config: OptimizerConfig, device: str) -> torch.optim.Optimizer:
-    decay, no_decay = [], []
-    for _, param in params:
-        if not param.requires_grad:
-            continue
-        # Biases and norm weights are not decayed (HF Trainer's recipe) unless asked (verl's and SkyRL's).
-        (no_decay if param.dim() < 2 and not config.decay_norms_and_biases else decay).append(param)
+    params = [(name, param) for name, param in params if param.requires_grad]
+    if config.no_decay_params is None:
+        # Biases and norm weights are not decayed: the usual AdamW recipe.
+        skip = {name for name, param in params if param.dim() < 2}
+    else:
+        skip = set(config.no_decay_params)
+        unknown = sorted(skip - {name for name, _ in params})
+        if unknown:
+            raise ValueError(f"training_config.optimizer.no_decay_params: the model has no trainable {unknown}")
+    decay = [param for name, param in params if name not in skip]
+    no_decay = [param for name, param in params if name in skip]
     groups = [
         {"params": decay, "weight_decay": config.weight_decay},
         {"params": no_decay, "weight_decay": 0.0},
