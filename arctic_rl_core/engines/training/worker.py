@@ -111,14 +111,39 @@ class DeepSpeedWorker:
         )  # fmt: skip
         if not spec.trainable:
             self.engine.eval()
+        _undo_optimizer_warm_step(self.engine.optimizer)
         self._pending_micro_batches = 0  # real micro-batches whose gradients wait for step()
         self._pending_backwards = 0  # backward passes, dummy ones included
         self._offload = EngineOffload(self.engine, self._zero_stage, self.device)
         self._offload.settle(LP)  # a memory home of their own, so sleeping gives all of it back
-        if spec.checkpoint_path and (Path(spec.checkpoint_path) / "latest").exists():
-            self.engine.load_checkpoint(spec.checkpoint_path, load_module_strict=True)
-            logger.info("resumed from %s at step %d", spec.checkpoint_path, self.engine.global_steps)
+        if spec.checkpoint_path:
+            self._resume(Path(spec.checkpoint_path))
         return self.info()
+
+    def _resume(self, root: Path) -> None:
+        """Load the checkpoint ``root/latest`` names; a new or empty ``root`` starts from the base weights.
+
+        A directory that cannot be what the user meant is refused, naming the one to use:
+        ``save_checkpoint`` returns ``root/global_stepN``, and resuming from that would
+        otherwise start over without a word.
+        """
+        field = "checkpoint_path"
+        if not (root / "latest").is_file():
+            if (root.parent / "latest").is_file():
+                raise ValueError(
+                    f"{field}={str(root)!r} is one checkpoint inside {str(root.parent)!r}: set {field} to "
+                    f"{str(root.parent)!r}, whose 'latest' file names the step to resume from"
+                )
+            if root.is_dir() and any(root.glob("global_step*")):
+                raise ValueError(f"{field}={str(root)!r} holds checkpoints but no 'latest' file naming one")
+            logger.info("no checkpoint in %s yet: training starts from the base weights", root)
+            return
+        tag = (root / "latest").read_text().strip()
+        loaded, _ = self.engine.load_checkpoint(str(root), load_module_strict=True)
+        if loaded is None:
+            raise ValueError(f"{field}={str(root)!r}: 'latest' names {tag!r}, which is not a loadable checkpoint")
+        _load_rng_state(root / tag / f"rng_state_rank{self.rank}.pt")
+        logger.info("resumed from %s at step %d", root / tag, self.engine.global_steps)
 
     # ------------------------------------------------------------ identity
 
@@ -384,6 +409,9 @@ class DeepSpeedWorker:
         if refused is not None:
             raise BadRequest(refused)
         self.engine.save_checkpoint(str(root), tag=staging, save_latest=False)
+        # DeepSpeed keeps no RNG state; dropout after a resume must draw what the uninterrupted run would have.
+        (root / staging).mkdir(exist_ok=True)
+        torch.save(_rng_state(), root / staging / f"rng_state_rank{self.rank}.pt")
         dist.barrier()
         if self.rank == 0:
             final = root / tag
@@ -563,3 +591,54 @@ class DeepSpeedWorker:
 def _detached(value):
     """A metric term as it is: a float stays one, a tensor leaves the graph and stays on its device."""
     return value.detach() if isinstance(value, torch.Tensor) else value
+
+
+def _undo_optimizer_warm_step(optimizer) -> None:
+    """Undo the step DeepSpeed's ZeRO-0 fp16/bf16 wrappers take when they are built.
+
+    They create the optimizer's state by stepping it once with zero gradients: Adam's
+    step count then starts at 1 (every bias correction is off by one) and weight
+    decay shrinks the fp32 master weights before any training. ZeRO 1-3 do not.
+    The masters are copies of the model's 16-bit weights, so copying those back is exact.
+    """
+    from deepspeed.runtime.fp16.fused_optimizer import FP16_Optimizer
+    from deepspeed.runtime.fp16.unfused_optimizer import FP16_UnfusedOptimizer
+
+    if not isinstance(optimizer, (FP16_Optimizer, FP16_UnfusedOptimizer)):
+        return
+    optimizer.optimizer.state.clear()
+    with torch.no_grad():
+        if isinstance(optimizer, FP16_Optimizer):
+            for low, master in zip(optimizer.fp16_groups_flat, optimizer.fp32_groups_flat):
+                master.copy_(low.float())
+        else:
+            for low_group, master_group in zip(optimizer.fp16_groups, optimizer.fp32_groups):
+                for low, master in zip(low_group, master_group):
+                    master.copy_(low.float())
+
+
+def _rng_state() -> dict:
+    import random
+
+    import numpy as np
+
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def _load_rng_state(path: Path) -> None:
+    """Restore a rank's RNG state saved with its checkpoint (checkpoints written before it have none)."""
+    import random
+
+    import numpy as np
+
+    if not path.is_file():
+        return
+    state = torch.load(path, weights_only=False)
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
