@@ -207,7 +207,7 @@ class JobManager:
             )
         if kind is JobKind.TRAINING:
             training = _training_config(
-                {**(config.ds_worker_config or {}), **(config.training_config or {})}, "training_config"
+                {**(config.ds_worker_config or {}), **(config.training_config or {})}, "training_config", device
             )
             weight_sync = _weight_sync(config)
             spec = WorkerSpec(
@@ -242,7 +242,7 @@ class JobManager:
             model_name=config.model_name,
             device=device,
             trainable=False,
-            training=_training_config(settings, "log_prob_ds_config"),
+            training=_training_config(settings, "log_prob_ds_config", device),
             ds_config=ds_config,
             seed=config.seed,
             full_determinism=config.full_determinism,
@@ -250,11 +250,15 @@ class JobManager:
         return lambda job_id, slots, threads: LogProbJob(job_id, slots, threads, spec)
 
 
-def _training_config(settings: dict, field: str) -> TrainingConfig:
+def _training_config(settings: dict, field: str, device: str) -> TrainingConfig:
     try:
-        return TrainingConfig.model_validate(settings)
+        training = TrainingConfig.model_validate(settings)
     except ValidationError as exc:
         raise BadRequest(validation_message(exc, field)) from None
+    if training.dtype == "float16" and device == "cpu":
+        # DeepSpeed would fail in every worker's setup ("fp16 is not supported on your device").
+        raise BadRequest(f"{field}.dtype: 'float16' needs CUDA; on CPU use 'bfloat16' or 'float32'")
+    return training
 
 
 def _weight_sync(config: ArcticRLClientConfig) -> WeightSyncConfig:

@@ -52,6 +52,15 @@ def test_initialize_with_a_bad_training_config_names_the_field_and_reserves_noth
     assert live_groups() == before
 
 
+def test_float16_on_cpu_workers_is_refused_naming_the_field_and_reserves_nothing(device):
+    before = live_groups()
+    manager = JobManager(device)
+    fp16 = config(training_gpus=1, device="cpu", training_config={"dtype": "float16"})
+    with pytest.raises(BadRequest, match=r"training_config\.dtype: 'float16' needs CUDA"):
+        asyncio.run(manager.initialize(fp16))
+    assert manager.jobs == {} and live_groups() == before
+
+
 def test_initialize_that_cannot_place_every_job_releases_the_groups_it_did_reserve(device):
     before = live_groups()
     # Another deployment's group leaves 2 GPUs free: room for sampling's 1, not for training's 2 after it.
