@@ -5,6 +5,13 @@ sent once with ``n = num_generations``, so the sampler shares the prompt's
 KV cache across the group (and Forest Cascade Attention reads it once per
 decode step). Each call carries a seed derived from ``GRPOConfig.seed`` and
 the call's index, so a run is reproducible.
+
+The sampler seeds a request's completions from (seed, completion index), as
+vLLM does, so two requests with the same prompt under one seed would get the
+same completions. TRL samples every row independently: a prompt that heads
+several groups of one call (the dataset holds it twice) is therefore sent
+once, with ``n = num_generations * groups``, and its completions are dealt
+back to the groups in order.
 """
 
 from __future__ import annotations
@@ -78,12 +85,31 @@ class ArcticSampler:
         """One completion per entry of ``prompt_ids``, in order, with the sampler's per-token log-probs."""
         groups = repeated_groups(prompt_ids, num_generations)
         if groups is not None:
-            outputs = self._generate(groups, n=num_generations, seed=self._next_seed())
+            completions = self._complete_groups(groups, num_generations)
         else:
             # Identical prompts under one seed would get identical completions, so this path samples unseeded.
             outputs = self._generate([list(p) for p in prompt_ids], n=1, seed=None)
-        completions = [completion for result in outputs for completion in result["outputs"]]
+            completions = [completion for result in outputs for completion in result["outputs"]]
         return [c["token_ids"] for c in completions], [c["logprobs"] for c in completions]
+
+    def _complete_groups(self, groups: list[list[int]], size: int) -> list[dict]:
+        """``size`` completions per group, in group order; a prompt heading several groups is one request."""
+        distinct: dict[tuple[int, ...], int] = {}
+        for head in groups:
+            distinct[tuple(head)] = distinct.get(tuple(head), 0) + 1
+        outputs = self._generate_counts([list(head) for head in distinct], [size * c for c in distinct.values()])
+        pending = {head: iter(result["outputs"]) for head, result in zip(distinct, outputs, strict=True)}
+        return [next(pending[tuple(head)]) for head in groups for _ in range(size)]
+
+    def _generate_counts(self, prompts: list[list[int]], counts: list[int]) -> list[dict]:
+        """One seeded call per distinct ``n`` (usually a single call), results in the order of ``prompts``."""
+        seed = self._next_seed()
+        results: list[dict | None] = [None] * len(prompts)
+        for n in sorted(set(counts)):
+            indices = [i for i, count in enumerate(counts) if count == n]
+            for i, result in zip(indices, self._generate([prompts[i] for i in indices], n=n, seed=seed), strict=True):
+                results[i] = result
+        return results
 
     def _next_seed(self) -> int:
         self.calls += 1
