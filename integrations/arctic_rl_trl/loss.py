@@ -117,10 +117,6 @@ class LossBatch:
     context: dict[str, torch.Tensor]
     processing: dict
 
-    @property
-    def has_loss_tokens(self) -> bool:
-        return bool(self.context["loss_mask_shifted"].any())
-
     def evaluate(self, logprobs: torch.Tensor, entropy: torch.Tensor | None) -> LossOutput:
         """The same loss in this process, from log-probs (and entropy) in the shifted layout."""
         spec = resolve_loss(self.processing["loss_fn"])

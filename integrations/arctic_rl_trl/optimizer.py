@@ -16,7 +16,7 @@ import torch
 
 
 class ArcticOptimizer(torch.optim.Optimizer):
-    def __init__(self, params: Iterable[torch.nn.Parameter], lr: float, step_engine: Callable[[], dict | None]):
+    def __init__(self, params: Iterable[torch.nn.Parameter], lr: float, step_engine: Callable[[], dict]):
         super().__init__(list(params), {"lr": lr})
         self._step_engine = step_engine
         self.last_step: dict | None = None
@@ -25,6 +25,4 @@ class ArcticOptimizer(torch.optim.Optimizer):
     def step(self, closure=None):
         if closure is not None:
             raise ValueError("ArcticOptimizer.step takes no closure: the loss is computed on the arctic engine")
-        result = self._step_engine()
-        if result is not None:
-            self.last_step = result
+        self.last_step = self._step_engine()

@@ -150,7 +150,6 @@ class ArcticGRPOTrainer(GRPOTrainer):
         settings = SamplerSettings.from_args(self.args, self.eos_token_ids)
         self._sampler = ArcticSampler(arctic_client, self._loop, settings)
         self._arctic_optimizer: ArcticOptimizer | None = None
-        self._pending_fwd_bwd = 0
 
     # ------------------------------------------------------------ construction
 
@@ -264,14 +263,12 @@ class ArcticGRPOTrainer(GRPOTrainer):
         return loss
 
     def _fwd_bwd(self, inputs) -> torch.Tensor:
+        # A micro-batch with no completion token to train on (e.g. all truncated and masked) still goes to the
+        # engine: its loss and gradients are 0, as TRL's backward of a zero loss, and the step still runs.
         batch = self._loss_batch(inputs, self.current_gradient_accumulation_steps)
-        if not batch.has_loss_tokens:
-            # No completion token to train on (e.g. all truncated and masked): TRL's loss is 0 with no gradient.
-            return torch.zeros((), device=self.args.device)
         result = self._arctic(
             self.arctic_client.fwd_bwd(batch=batch.rows.model_batch(batch.context), processing=batch.processing)
         )
-        self._pending_fwd_bwd += 1
         self._record_loss_metrics("train", result["metrics"])
         return torch.tensor(result["loss"], device=self.args.device)
 
@@ -309,12 +306,10 @@ class ArcticGRPOTrainer(GRPOTrainer):
             self.optimizer = self._arctic_optimizer
         return self.optimizer
 
-    def _step_engine(self) -> dict | None:
-        # A step whose micro-batches held no completion token sent no gradients: there is nothing to step.
-        if not self._pending_fwd_bwd:
-            return None
+    def _step_engine(self) -> dict:
+        # Every optimizer step reaches the engine, even one whose micro-batches held no loss token (zero
+        # gradients): HF's AdamW and LR schedule step then too, and the engine must keep pace with them.
         result = self._arctic(self.arctic_client.step())
-        self._pending_fwd_bwd = 0
         if self._syncs_sampler:
             self._arctic(self.arctic_client.sync_weights())
         return result
