@@ -15,7 +15,7 @@ GRPOTrainer hook                       here
 =====================================  ==============================================================
 ``_generate_single_turn``              ``client.generate`` with token ids (sampler log-probs kept)
 ``_get_per_token_logps_and_entropies`` ``client.fwd_no_grad``: training job (old), log-prob job (ref)
-``_generate_and_score_completions``    TRL's, then the sampler/trainer importance-sampling weights
+``_generate_and_score_completions``    TRL's, then the arctic sampler's importance-sampling weights
 ``training_step``                      TRL's ``_prepare_inputs``, then one ``client.fwd_bwd`` (grpo)
 ``compute_loss`` (evaluation)          ``client.fwd_no_grad`` and the same grpo loss, in process
 ``create_optimizer``                   ``ArcticOptimizer``: ``client.step()`` then ``sync_weights()``
@@ -217,7 +217,9 @@ class ArcticGRPOTrainer(GRPOTrainer):
     def _generate_and_score_completions(self, inputs):
         output = super()._generate_and_score_completions(inputs)
         sampler_logps = output.get("sampling_per_token_logps")
-        if self._importance_sampling is not None and sampler_logps is not None:
+        # TRL corrects only vLLM's log-probs (use_vllm, which this trainer refuses): a rollout_func's are kept
+        # in the output but weigh nothing, so only the arctic sampler's own log-probs are corrected.
+        if self._importance_sampling is not None and sampler_logps is not None and self.rollout_func is None:
             self._weigh_by_sampler_mismatch(output, sampler_logps)
         return output
 

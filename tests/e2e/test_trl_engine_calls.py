@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 
+import pytest
 import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -21,7 +22,7 @@ from trl import GRPOConfig  # noqa: E402
 
 from arctic_rl_core import ArcticRLClientConfig  # noqa: E402
 from arctic_rl_trl import ArcticGRPOTrainer  # noqa: E402
-from tests.e2e.trl_rollouts import PROMPTS, multiple_of_three_share  # noqa: E402
+from tests.e2e.trl_rollouts import PROMPTS, fixed_rollout, multiple_of_three_share  # noqa: E402
 
 MAX_TOKENS = 6
 GRAD_NORM = 1.5  # what the stand-in reports for a step that had loss tokens
@@ -135,3 +136,37 @@ def test_a_step_with_no_loss_token_still_runs_fwd_bwd_and_step(tiny_model, tmp_p
     # The engine's LR schedule runs on its own step count (test_trl_construction checks it against HF's).
     assert client.steps[-1]["step"] == trainer.state.global_step
     assert [entry["grad_norm"] for entry in logs] == [GRAD_NORM, 0.0, 0.0], "the grad norm the engine reports"
+
+
+def advantages_sent(client: RecordingClient) -> torch.Tensor:
+    return torch.cat([context["advantages"].flatten() for context in client.fwd_bwd_contexts])
+
+
+@pytest.mark.parametrize("mode", ["sequence_mask", "token_truncate"])
+def test_a_rollout_funcs_log_probs_weigh_nothing_as_in_trl(tiny_model, tmp_path, mode):
+    """TRL applies vllm_importance_sampling_* only to vLLM's log-probs (use_vllm); with a rollout_func and
+    use_vllm=False it keeps them unused. fixed_rollout reports -7 per token, far from the engine's 0 here: any
+    correction would mask (sequence_mask) or cap (token_truncate) the advantages sent."""
+    args = grpo_args(tmp_path, max_steps=1, temperature=0.7, vllm_importance_sampling_mode=mode)
+    assert args.vllm_importance_sampling_correction  # TRL's default
+    client = RecordingClient(tiny_model)
+    _, logs = train(tiny_model, args, client, rollout_func=fixed_rollout)
+
+    off = grpo_args(tmp_path, max_steps=1, temperature=0.7, vllm_importance_sampling_correction=False)
+    reference = RecordingClient(tiny_model)
+    train(tiny_model, off, reference, rollout_func=fixed_rollout)
+
+    assert advantages_sent(client).abs().sum() > 0
+    assert torch.equal(advantages_sent(client), advantages_sent(reference))
+    assert not any(name.startswith("sampling/") for name in logs[0]), "no importance-sampling metrics"
+    assert [] not in client.fwd_no_grad_posts, "no temperature-1 log-probs for a correction"
+    assert len(client.fwd_no_grad_posts) == len(reference.fwd_no_grad_posts)
+
+
+def test_the_arctic_samplers_log_probs_are_still_corrected(tiny_model, tmp_path):
+    """Without a rollout_func the arctic sampler plays vLLM's part: its log-probs (-1 per token here, the
+    engine's 0) get TRL's correction, sequence_mask with clip_max 3 by default, which masks every sequence."""
+    client = RecordingClient(tiny_model)
+    _, logs = train(tiny_model, grpo_args(tmp_path, max_steps=1), client)
+    assert logs[0]["sampling/importance_sampling_ratio/max"] == 0.0
+    assert advantages_sent(client).abs().sum() == 0

@@ -5,7 +5,10 @@ the same seed, and take their completions from one fixed rollout function,
 so the comparison is about training, not sampling luck. The config exercises
 what the mapping must get right: gradient accumulation over two micro-batches
 (dapo's step-wide token normalization), a KL penalty against the reference
-(served by the arctic log-prob job), clip-higher and a sampling temperature.
+(served by the arctic log-prob job), clip-higher and a sampling temperature,
+with TRL's default importance-sampling correction left on: like GRPOTrainer
+without vLLM, the arctic trainer must not weigh the rollout function's
+made-up log-probs.
 The arctic side runs the real server, Ray actors and DeepSpeed engines on CPU,
 with ZoRRo Train on: each group's shared prompt is computed once.
 """
@@ -58,9 +61,6 @@ def grpo_args(output_dir: Path) -> GRPOConfig:
         use_bias_correction_kl=False,
         epsilon_high=0.28,
         temperature=0.9,
-        # A no-op for GRPOTrainer without vLLM; the arctic trainer would otherwise weigh the fixed rollout's
-        # made-up sampler log-probs.
-        vllm_importance_sampling_correction=False,
         bf16=False,
         use_cpu=True,
         gradient_checkpointing=False,
