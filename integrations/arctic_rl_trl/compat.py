@@ -68,6 +68,12 @@ def grpo_config_problems(args: GRPOConfig) -> list[Problem]:
         # The loss runs on the training engine as its `grpo` loss.
         ("loss_type", args.loss_type not in SUPPORTED_LOSS_TYPES,
          f"the arctic grpo loss reproduces {', '.join(SUPPORTED_LOSS_TYPES)}"),
+        ("epsilon", not 0 < args.epsilon < 1,
+         "the arctic grpo loss clips the ratio below at 1 - epsilon, which must stay in (0, 1) (eps_clip < 1); "
+         "set 0 < epsilon < 1 (epsilon_high may be larger)"),
+        ("epsilon_high", args.epsilon_high is not None and args.epsilon_high <= 0,
+         "the arctic grpo loss clips the ratio above at 1 + epsilon_high with epsilon_high > 0; set a positive "
+         "value or None"),
         ("importance_sampling_level", args.importance_sampling_level != "token",
          "the arctic grpo loss takes per-token ratios; set importance_sampling_level='token'"),
         ("delta", args.delta is not None and args.delta <= upper_clip,

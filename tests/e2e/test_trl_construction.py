@@ -139,3 +139,11 @@ def test_disable_dropout_on_a_model_with_dropout_is_refused_by_name(tmp_path):
     GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64, resid_pdrop=0.1).save_pretrained(model)
     with pytest.raises(UnsupportedGRPOOption, match=r"disable_dropout=True: the arctic training engine trains with"):
         build(model, grpo_args(tmp_path, disable_dropout=True), arctic_config(model))
+
+
+@pytest.mark.parametrize("epsilon", [1.0, 1.5])
+def test_epsilon_of_one_or_more_is_refused_by_name(tiny_model, tmp_path, epsilon):
+    """The engine's clip keeps the ratio above 1 - epsilon > 0: it would refuse the first fwd_bwd instead."""
+    args = grpo_args(tmp_path, epsilon=epsilon, epsilon_high=0.28)
+    with pytest.raises(UnsupportedGRPOOption, match=rf"epsilon={epsilon!r}: the arctic grpo loss clips the ratio"):
+        build(tiny_model, args, arctic_config(tiny_model))
