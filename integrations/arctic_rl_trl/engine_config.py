@@ -24,23 +24,29 @@ def training_dtype(args: GRPOConfig) -> str:
     return "float32"
 
 
-def training_config_from_grpo(args: GRPOConfig, max_steps: int) -> dict:
-    """The ``training_config`` entries that GRPOConfig decides, for a run of ``max_steps`` optimizer steps."""
+def training_config_from_grpo(args: GRPOConfig, max_steps: int, no_decay_params: list[str] | None = None) -> dict:
+    """The ``training_config`` entries that GRPOConfig decides, for a run of ``max_steps`` optimizer steps.
+
+    ``no_decay_params``: the parameters HF's Trainer leaves undecayed (the trainer passes its own choice).
+    """
     scheduler = enum_value(args.lr_scheduler_type)
     # HF's "constant" schedule ignores warmup_steps; only "constant_with_warmup" ramps up.
     warmup_steps = 0 if scheduler == "constant" else args.get_warmup_steps(max_steps)
+    optimizer = {
+        "lr": args.learning_rate,
+        "weight_decay": args.weight_decay,
+        "beta1": args.adam_beta1,
+        "beta2": args.adam_beta2,
+        "eps": args.adam_epsilon,
+        "gradient_clipping": args.max_grad_norm,
+        "lr_scheduler_type": LR_SCHEDULERS[scheduler],
+        "warmup_steps": warmup_steps,
+        "total_train_steps": max_steps,
+    }
+    if no_decay_params is not None:
+        optimizer["no_decay_params"] = list(no_decay_params)
     return {
-        "optimizer": {
-            "lr": args.learning_rate,
-            "weight_decay": args.weight_decay,
-            "beta1": args.adam_beta1,
-            "beta2": args.adam_beta2,
-            "eps": args.adam_epsilon,
-            "gradient_clipping": args.max_grad_norm,
-            "lr_scheduler_type": LR_SCHEDULERS[scheduler],
-            "warmup_steps": warmup_steps,
-            "total_train_steps": max_steps,
-        },
+        "optimizer": optimizer,
         "gradient_checkpointing": bool(args.gradient_checkpointing),
         "dtype": training_dtype(args),
     }
@@ -72,7 +78,9 @@ def training_config_problems(user: dict | None, args: GRPOConfig) -> list[Proble
     return problems
 
 
-def with_grpo_training_config(config: ArcticRLClientConfig, args: GRPOConfig, max_steps: int) -> ArcticRLClientConfig:
+def with_grpo_training_config(
+    config: ArcticRLClientConfig, args: GRPOConfig, max_steps: int, no_decay_params: list[str] | None = None
+) -> ArcticRLClientConfig:
     """``config`` with GRPOConfig's training options merged into its ``training_config`` (checked beforehand)."""
-    merged = {**(config.training_config or {}), **training_config_from_grpo(args, max_steps)}
+    merged = {**(config.training_config or {}), **training_config_from_grpo(args, max_steps, no_decay_params)}
     return config.model_copy(update={"training_config": merged})

@@ -141,7 +141,9 @@ class ArcticGRPOTrainer(GRPOTrainer):
         self._owns_client = arctic_client is None
         if arctic_client is None:
             arctic_client = create_arctic_rl_client(
-                with_grpo_training_config(arctic_config, self.args, self._planned_max_steps())
+                with_grpo_training_config(
+                    arctic_config, self.args, self._planned_max_steps(), self._no_decay_parameters()
+                )
             )
         self.arctic_client = arctic_client
         self._syncs_sampler = _has_job(arctic_client, "sampling")
@@ -164,6 +166,13 @@ class ArcticGRPOTrainer(GRPOTrainer):
              "run ArcticGRPOTrainer in one process; the arctic engines spread the work over their GPUs"),
         ]  # fmt: skip
         return [Problem(option, value, fix) for option, value, refused, fix in rules if refused]
+
+    def _no_decay_parameters(self) -> list[str]:
+        """The parameters HF's Trainer leaves undecayed (by name and norm-layer type): the engine's AdamW skips them."""
+        decay = set(self.get_decay_parameter_names(self.model))
+        return sorted(
+            name for name, param in self.model.named_parameters() if param.requires_grad and name not in decay
+        )
 
     def _planned_max_steps(self) -> int:
         """The optimizer steps ``train()`` will run, computed as the Trainer does, for the engine's LR schedule."""

@@ -147,3 +147,49 @@ def test_epsilon_of_one_or_more_is_refused_by_name(tiny_model, tmp_path, epsilon
     args = grpo_args(tmp_path, epsilon=epsilon, epsilon_high=0.28)
     with pytest.raises(UnsupportedGRPOOption, match=rf"epsilon={epsilon!r}: the arctic grpo loss clips the ratio"):
         build(tiny_model, args, arctic_config(tiny_model))
+
+
+def test_the_engine_decays_exactly_the_parameters_hfs_trainer_decays(tiny_model, tmp_path, monkeypatch):
+    """HF picks them by name and norm-layer type, not by dimension: GPT-OSS's attention sinks are 1-D and
+    decayed, its expert biases 2-D and not. The engine's AdamW gets HF's choice by name."""
+    import shutil
+    from pathlib import Path
+
+    from transformers import AutoModelForCausalLM, GptOssConfig, Trainer, TrainingArguments
+
+    import arctic_rl_trl.trainer as trainer_module
+    from arctic_rl_core.config import OptimizerConfig
+    from arctic_rl_core.engines.training.deepspeed_setup import build_optimizer
+
+    model_dir = tmp_path / "tiny-gpt-oss"
+    config = GptOssConfig(vocab_size=512, hidden_size=32, intermediate_size=32, num_hidden_layers=1,
+                          num_attention_heads=2, num_key_value_heads=1, head_dim=16, num_local_experts=2,
+                          num_experts_per_tok=1, layer_types=["full_attention"], router_aux_loss_coef=0.0)  # fmt: skip
+    AutoModelForCausalLM.from_config(config).save_pretrained(model_dir)
+    for tokenizer_file in Path(tiny_model).glob("*token*"):
+        shutil.copy(tokenizer_file, model_dir)
+
+    class Captured(Exception):
+        pass
+
+    sent = {}
+
+    def capture(client_config):
+        sent["optimizer"] = client_config.training_config["optimizer"]
+        raise Captured
+
+    monkeypatch.setattr(trainer_module, "create_arctic_rl_client", capture)
+    with pytest.raises(Captured):
+        build(str(model_dir), grpo_args(tmp_path, weight_decay=0.1), arctic_config(str(model_dir)))
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    names = {id(p): name for name, p in model.named_parameters()}
+
+    def decayed(optimizer) -> set[str]:
+        return {names[id(p)] for group in optimizer.param_groups if group["weight_decay"] > 0 for p in group["params"]}
+
+    hf_args = TrainingArguments(output_dir=str(tmp_path / "hf"), weight_decay=0.1, use_cpu=True, report_to=[])
+    hf = decayed(Trainer(model=model, args=hf_args).create_optimizer())
+    engine = decayed(build_optimizer(model.named_parameters(), OptimizerConfig(**sent["optimizer"]), "cpu"))
+    assert engine == hf
+    assert "model.layers.0.self_attn.sinks" in hf and "model.layers.0.mlp.experts.down_proj_bias" not in hf
