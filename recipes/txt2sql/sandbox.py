@@ -82,6 +82,10 @@ class _Authorizer:
         return sqlite3.SQLITE_DENY
 
 
+def _decode_text(value: bytes) -> str:
+    return value.decode("utf-8", errors="replace")
+
+
 def _open_readonly(
     db_path: str | Path, max_value_bytes: int = ExecutionLimits.max_value_bytes
 ) -> tuple[sqlite3.Connection, _Authorizer]:
@@ -93,6 +97,10 @@ def _open_readonly(
     connection = sqlite3.connect(f"{path.as_uri()}?mode=ro", uri=True)
     connection.execute("PRAGMA query_only = ON")
     connection.setlimit(sqlite3.SQLITE_LIMIT_LENGTH, max_value_bytes)
+    # TEXT that is not valid UTF-8 (a CAST(x'ff' AS TEXT), a badly imported
+    # database) would otherwise fail the fetch with "Could not decode to UTF-8";
+    # both the prediction and the gold query read it with U+FFFD instead.
+    connection.text_factory = _decode_text
     authorizer = _Authorizer()
     connection.set_authorizer(authorizer)
     return connection, authorizer
@@ -112,10 +120,13 @@ def execute_readonly(db_path: str | Path, sql: str, limits: ExecutionLimits = Ex
         rows = connection.execute(sql).fetchmany(limits.max_rows + 1)
     except sqlite3.ProgrammingError as error:
         raise SQLRefused(f"only a single statement may run: {error}") from error
-    except sqlite3.DatabaseError as error:
-        if error.sqlite_errorname == "SQLITE_INTERRUPT":
+    except sqlite3.Error as error:
+        # Errors raised by Python's module rather than by SQLite (a failed
+        # conversion, an InterfaceError) carry no sqlite_errorname.
+        errorname = getattr(error, "sqlite_errorname", None)
+        if errorname == "SQLITE_INTERRUPT":
             raise SQLTimeout(f"statement exceeded {limits.timeout_s}s and was interrupted") from error
-        if authorizer.denied or error.sqlite_errorname == "SQLITE_READONLY":
+        if authorizer.denied or errorname == "SQLITE_READONLY":
             raise SQLRefused(f"statement is not a read-only query: {error}") from error
         raise SQLExecutionError(str(error)) from error
     finally:

@@ -106,6 +106,34 @@ def test_oversized_values_are_refused(db):
         execute_readonly(db, "SELECT zeroblob(100000000)", ExecutionLimits(max_value_bytes=1_000_000))
 
 
+@pytest.fixture
+def bad_utf8_db(tmp_path) -> Path:
+    path = tmp_path / "bad_utf8.sqlite"
+    connection = sqlite3.connect(path)
+    connection.executescript(
+        "CREATE TABLE people (id INTEGER PRIMARY KEY, name TEXT);"
+        "INSERT INTO people (name) VALUES (CAST(x'4d61726961ff' AS TEXT)), ('Ana');"
+    )
+    connection.commit()
+    connection.close()
+    return path
+
+
+def test_invalid_utf8_text_is_read_with_replacement_characters(bad_utf8_db):
+    rows = execute_readonly(bad_utf8_db, "SELECT name FROM people ORDER BY id")
+    assert rows == [("Maria\ufffd",), ("Ana",)]
+    assert execute_readonly(bad_utf8_db, "SELECT CAST(x'ff' AS TEXT)") == [("\ufffd",)]
+
+
+def test_invalid_utf8_in_prediction_or_gold_is_scored_not_raised(bad_utf8_db):
+    gold = "SELECT name FROM people"
+    # Python's sqlite3 failed these with an OperationalError lacking sqlite_errorname.
+    wrong = score(bad_utf8_db, "<sql>SELECT CAST(x'ff' AS TEXT)</sql>", gold)
+    assert wrong["score"] == 0.1 and wrong["executable"] == 1.0 and wrong["gold_failed"] == 0.0
+    right = score(bad_utf8_db, "<sql>SELECT name FROM people</sql>", gold)
+    assert right["score"] == 1.0 and right["acc"] == 1.0
+
+
 def test_a_missing_database_is_not_created(tmp_path):
     missing = tmp_path / "missing.sqlite"
     with pytest.raises(FileNotFoundError):
