@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import sqlite3
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -23,6 +26,7 @@ from recipes.txt2sql.sandbox import (
 )
 from recipes.txt2sql.synthetic import generate_corpus
 
+REPO_ROOT = Path(__file__).resolve().parents[2]
 ENDLESS_CTE = "WITH RECURSIVE r(n) AS (SELECT 1 UNION ALL SELECT n + 1 FROM r) SELECT COUNT(*) FROM r"
 
 
@@ -104,6 +108,71 @@ def test_results_past_the_row_limit_are_refused(db):
 def test_oversized_values_are_refused(db):
     with pytest.raises(SQLExecutionError, match="too big"):
         execute_readonly(db, "SELECT zeroblob(100000000)", ExecutionLimits(max_value_bytes=1_000_000))
+
+
+def _blob_query(rows: int, columns: int) -> str:
+    values = ", ".join(["zeroblob(999999)"] * columns)
+    return f"WITH RECURSIVE r(i) AS (SELECT 1 UNION ALL SELECT i + 1 FROM r LIMIT {rows}) SELECT {values} FROM r"
+
+
+_HUGE_RESULTS_SCRIPT = """
+import json, resource, sys, time
+from recipes.txt2sql.sandbox import ExecutionLimits, SQLExecutionError, execute_readonly
+outcomes = []
+for sql in json.loads(sys.argv[2]):
+    start = time.monotonic()
+    try:
+        outcome = f"{len(execute_readonly(sys.argv[1], sql, ExecutionLimits(timeout_s=1.0)))} rows"
+    except SQLExecutionError as error:
+        outcome = type(error).__name__
+    outcomes.append([outcome, time.monotonic() - start])
+print(json.dumps({"outcomes": outcomes, "max_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
+"""
+
+
+def test_huge_results_are_refused_quickly_with_bounded_memory(db):
+    # 1 row x 1000 columns of ~1 MB took 3 s past a 2 s limit and 1.9 GB;
+    # 200 rows x 1 MB came back whole. Run apart so peak memory is this run's.
+    attacks = [_blob_query(1, 1000), _blob_query(1000, 60), _blob_query(200, 1)]
+    completed = subprocess.run(
+        [sys.executable, "-c", _HUGE_RESULTS_SCRIPT, str(db), json.dumps(attacks)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+        # pytest puts the repository on sys.path (pythonpath = ["."]); the child needs it too.
+        env={**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), os.environ.get("PYTHONPATH", "")])},
+    )
+    report = json.loads(completed.stdout)
+    for (outcome, elapsed), attack in zip(report["outcomes"], attacks):
+        assert outcome == "SQLResultTooLarge", (attack[-60:], outcome)
+        assert elapsed < 2.0, (attack[-60:], elapsed)
+    assert report["max_rss_mb"] < 600, report
+
+
+def test_a_huge_prediction_scores_as_a_failed_query(db):
+    result = score(db, f"<sql>{_blob_query(1, 1000)}</sql>", "SELECT name FROM t")
+    assert result["score"] == 0.1 and result["executable"] == 0.0
+
+
+def test_results_past_the_byte_limit_are_refused(db):
+    with pytest.raises(SQLResultTooLarge):
+        execute_readonly(db, "SELECT name FROM t", ExecutionLimits(max_result_bytes=10))
+    assert execute_readonly(db, "SELECT name FROM t", ExecutionLimits(max_result_bytes=100))
+
+
+def test_the_column_limit_admits_the_databases_own_wide_tables(tmp_path):
+    path = tmp_path / "wide.sqlite"
+    connection = sqlite3.connect(path)
+    columns = ", ".join(f"c{i} INTEGER" for i in range(100))
+    connection.execute(f"CREATE TABLE wide ({columns})")
+    connection.execute(f"INSERT INTO wide VALUES ({', '.join(['1'] * 100)})")
+    connection.commit()
+    connection.close()
+    assert len(execute_readonly(path, "SELECT * FROM wide")[0]) == 100
+    assert len(execute_readonly(path, "SELECT * FROM wide AS a, wide AS b")[0]) == 200
+    with pytest.raises(SQLResultTooLarge):
+        execute_readonly(path, "SELECT * FROM wide AS a, wide AS b, wide AS c")
 
 
 @pytest.fixture
