@@ -37,6 +37,8 @@ SPLITS = ("train", "test")
 HUB = {"hotpotqa": ("hotpotqa/hotpot_qa", "distractor")}
 # The split each of ours reads on the hub: HotpotQA publishes no test answers.
 HUB_SPLITS = {"train": "train", "test": "validation"}
+# Added to --seed per split; fixed by name, not by position in --splits.
+SYNTHETIC_SEED_OFFSETS = {"train": 0, "test": 1}
 
 
 def _field(record: dict[str, Any], name: str, dataset: str) -> Any:
@@ -150,12 +152,18 @@ def prepare_synthetic(
 ) -> dict[str, dict[str, Path]]:
     """Write synthetic splits under ``out_dir``; ``contexts`` maps a split to its number of contexts.
 
-    Splits use different seeds (``seed``, ``seed + 1``, ...), so no context appears in two.
+    Each split has its own seed, ``seed`` plus a fixed offset per split name
+    (``SYNTHETIC_SEED_OFFSETS``: train 0, test 1), so no context appears in two
+    splits and a split is the same whichever other splits are written with it
+    (``--splits test`` alone writes the test split of a full run).
     """
     written = {}
-    for offset, (split, count) in enumerate(contexts.items()):
+    for split, count in contexts.items():
+        if split not in SYNTHETIC_SEED_OFFSETS:
+            raise ValueError(f"split must be one of {tuple(SYNTHETIC_SEED_OFFSETS)}, got {split!r}")
         rows: list[dict[str, Any]] = []
-        for context in generate(count, questions_per_context, context_tokens, tokenizer, seed + offset):
+        split_seed = seed + SYNTHETIC_SEED_OFFSETS[split]
+        for context in generate(count, questions_per_context, context_tokens, tokenizer, split_seed):
             for example in context.examples:
                 rows.append(to_row(example, SYNTHETIC_DATA_SOURCE, split, len(rows), context_tokens=context.tokens))
         written[split] = write_split(rows, out_dir, split)

@@ -189,3 +189,25 @@ def test_synthetic_rows_are_grouped_by_context_with_their_length(tmp_path, token
     for row in rows:
         truth = row["reward_model"]["ground_truth"]
         assert compute_score(row["data_source"], f"<answer>{truth[0]}</answer>", truth)["score"] == 1.0
+
+
+def test_a_synthetic_split_written_alone_equals_that_split_of_a_full_run(tmp_path, tokenizer):
+    # Seeds came from the position in --splits, so `--splits test` alone rewrote the train contexts.
+    from transformers import PreTrainedTokenizerFast
+
+    tokenizer_dir = tmp_path / "tokenizer"
+    PreTrainedTokenizerFast(tokenizer_object=tokenizer).save_pretrained(tokenizer_dir)
+    common = ["--dataset", "synthetic", "--tokenizer", str(tokenizer_dir), "--context-tokens", "1024"]
+    common += ["--contexts", "2", "--test-contexts", "1", "--questions-per-context", "3"]
+    data.main(["--out", str(tmp_path / "full"), *common])
+    data.main(["--out", str(tmp_path / "test_only"), "--splits", "test", *common])
+    data.main(["--out", str(tmp_path / "train_only"), "--splits", "train", *common])
+
+    def rows(name: str, split: str) -> list[dict]:
+        return pq.read_table(tmp_path / name / f"{split}.parquet").to_pylist()
+
+    assert not (tmp_path / "test_only" / "train.parquet").exists()
+    assert rows("test_only", "test") == rows("full", "test")
+    assert rows("train_only", "train") == rows("full", "train")
+    prompts = {split: {row["prompt"][-1]["content"] for row in rows("full", split)} for split in data.SPLITS}
+    assert not prompts["train"] & prompts["test"]
