@@ -58,6 +58,23 @@ def load_splits(data: DictConfig):
     return loaded["train"], loaded.get("eval")
 
 
+def grpo_arguments(cfg: DictConfig) -> dict:
+    """GRPOConfig's keyword arguments for ``cfg.trainer``.
+
+    The recipes set ``grpo.use_cpu: true`` for ArcticGRPOTrainer, whose driver
+    runs no model (the engines hold it). TRL's own GRPOTrainer runs the policy
+    in this process, so ``trainer=trl`` turns ``use_cpu`` off: the model goes
+    to the GPU, or stays on the CPU only for a recipe whose engines would
+    (``arctic.device: cpu``, the CPU smoke configs). It generates with
+    transformers (TRL's ``use_vllm`` default, false) in one process; pass
+    ``grpo.use_vllm=true grpo.vllm_mode=colocate`` to sample with vLLM instead.
+    """
+    arguments = OmegaConf.to_container(cfg.grpo, resolve=True)
+    if cfg.trainer == "trl":
+        arguments["use_cpu"] = cfg.arctic.get("device") == "cpu"
+    return arguments
+
+
 def build_trainer(cfg: DictConfig):
     """The configured GRPOTrainer (``trainer=trl``) or ArcticGRPOTrainer (``trainer=arctic``), ready to train."""
     from trl import GRPOConfig, GRPOTrainer
@@ -68,7 +85,7 @@ def build_trainer(cfg: DictConfig):
     arguments = dict(
         model=cfg.model,
         reward_funcs=reward_function(cfg.reward),
-        args=GRPOConfig(**OmegaConf.to_container(cfg.grpo, resolve=True)),
+        args=GRPOConfig(**grpo_arguments(cfg)),
         train_dataset=train_dataset,
         eval_dataset=eval_dataset,
     )

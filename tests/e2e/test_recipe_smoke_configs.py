@@ -97,6 +97,32 @@ def test_trl_config_builds_a_grpo_config_and_deployment_arctic_grpo_trainer_acce
         assert cfg.model.startswith("Qwen/Qwen3-") and args.bf16 and arctic.training_config["zorro_train"]["enable"]
 
 
+@pytest.mark.parametrize("task", [*TASKS, "gsm8k"])
+@pytest.mark.parametrize("variant", ["", "_cpu"])
+def test_trainer_trl_runs_trls_own_grpo_trainer_where_the_engines_would_run(task, variant, monkeypatch):
+    # grpo.use_cpu: true is for ArcticGRPOTrainer, whose driver holds no model; TRL's own
+    # GRPOTrainer got it too and trained the GPU recipes on the CPU.
+    import trl
+
+    import recipes.trl_main as trl_main
+
+    built = {}
+    monkeypatch.setattr(trl, "GRPOTrainer", lambda **arguments: built.update(arguments) or "trl-trainer")
+    monkeypatch.setattr(trl_main, "load_splits", lambda data: ([], None))
+    monkeypatch.setattr(trl_main, "reward_function", lambda reward: None)
+    cfg = trl_config(task, variant)
+    assert cfg.grpo.use_cpu is True  # what ArcticGRPOTrainer's driver gets
+    cfg.trainer = "trl"
+    if not variant:
+        cfg.grpo.bf16 = False  # GRPOConfig refuses bf16 on a machine without a GPU; the rest is the GPU recipe
+    assert trl_main.build_trainer(cfg) == "trl-trainer"
+    assert built["args"].use_cpu is bool(variant), "only the CPU smoke configs keep TRL's trainer on the CPU"
+    assert built["args"].use_vllm is False
+    assert trl_main.grpo_arguments(cfg)["use_cpu"] is bool(variant)
+    cfg.trainer = "arctic"
+    assert trl_main.grpo_arguments(cfg)["use_cpu"] is True
+
+
 def test_trl_main_names_the_missing_data_file_and_how_to_make_it(tmp_path):
     from recipes.trl_main import build_trainer
 
