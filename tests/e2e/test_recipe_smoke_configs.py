@@ -67,6 +67,14 @@ def test_verl_cpu_config_keeps_the_gpu_recipe_and_shrinks_its_size(task):
     assert cpu.actor_rollout_ref.rollout.n == 2 and cpu.data.max_response_length <= 16
 
 
+@pytest.mark.parametrize("task", [*TASKS, "gsm8k"])
+@pytest.mark.parametrize("variant", ["", "_cpu"])
+def test_every_recipe_turns_qwen3_thinking_off_in_verl_and_trl(task, variant):
+    # The prompts ask for the answer in the recipe's format; thinking mode spends the budget elsewhere.
+    assert verl_config(task, variant).data.apply_chat_template_kwargs.enable_thinking is False
+    assert trl_config(task, variant).grpo.chat_template_kwargs.enable_thinking is False
+
+
 def test_long_context_qa_keeps_the_questions_on_one_context_together_in_every_framework_that_can():
     verl = verl_config("long_context_qa", "")
     trl = trl_config("long_context_qa", "")
