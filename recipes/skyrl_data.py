@@ -19,9 +19,16 @@ from pathlib import Path
 
 from recipes.common.records import to_skyrl_row, write_split
 
-# The recipes with a skyrl-gym environment of their own (recipes.skyrl_env): each is rewarded by
-# recipes.<env_class>.reward. Listed here, free of skyrl imports, so data converts in any environment.
-ENV_CLASSES = ("txt2sql", "long_context_qa")
+# The recipes' skyrl-gym environments (recipes.skyrl_env) and the module whose compute_score rewards
+# each. Listed here, free of skyrl imports, so data converts in any environment. GSM8K's is not
+# skyrl-gym's own `gsm8k` (a string match that scores "#### 42.0", "#### $18" or "####42" as 0) but
+# the recipe's reward, as verl and TRL score it.
+REWARD_MODULES = {
+    "txt2sql": "recipes.txt2sql.reward",
+    "long_context_qa": "recipes.long_context_qa.reward",
+    "gsm8k_recipe": "recipes.gsm8k.reward",
+}
+ENV_CLASSES = tuple(REWARD_MODULES)
 
 
 def convert(

@@ -20,7 +20,7 @@ from typing import Any
 import skyrl_gym
 from skyrl_gym.envs.base_text_env import BaseTextEnv, BaseTextEnvStepOutput
 
-from recipes.skyrl_data import ENV_CLASSES
+from recipes.skyrl_data import REWARD_MODULES
 
 
 class RecipeEnv(BaseTextEnv):
@@ -55,8 +55,7 @@ class RecipeEnv(BaseTextEnv):
 
 
 def register_recipe_envs() -> None:
-    """Register each recipe's environment, rewarded by ``recipes.<env_class>.reward``, with skyrl-gym (once)."""
-    for env_class in ENV_CLASSES:
+    """Register each recipe's environment, rewarded by ``REWARD_MODULES[env_class]``, with skyrl-gym (once)."""
+    for env_class, reward_module in REWARD_MODULES.items():
         if env_class not in skyrl_gym.registry:
-            reward_module = f"recipes.{env_class}.reward"
             skyrl_gym.register(id=env_class, entry_point=RecipeEnv, kwargs={"reward_module": reward_module})

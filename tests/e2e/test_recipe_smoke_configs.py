@@ -163,5 +163,23 @@ def test_skyrl_data_binds_each_row_to_the_recipe_environment(tmp_path):
     assert {row["env_class"] for row in rows} == {"txt2sql"}
     assert all(row["reward_spec"]["ground_truth"].lower().startswith("select") for row in rows)
     assert all(Path(row["extra_info"]["db_path"]).is_file() for row in rows)
-    with pytest.raises(ValueError, match=r"env_class must be one of \('txt2sql', 'long_context_qa'\), got 'gsm8k'"):
+    with pytest.raises(
+        ValueError, match=r"env_class must be one of \('txt2sql', 'long_context_qa', 'gsm8k_recipe'\), got 'gsm8k'"
+    ):
         convert(tmp_path / "verl", tmp_path / "skyrl", "gsm8k", ["train"])
+
+
+def test_gsm8k_skyrl_launchers_score_with_the_recipe_reward_like_verl_and_trl(tmp_path):
+    # They used skyrl-gym's own gsm8k environment, which scores "#### 42.0", "#### $18", "####42" as 0.
+    from recipes.common.records import read_jsonl
+    from recipes.gsm8k.skyrl.data import prepare
+    from recipes.skyrl_data import REWARD_MODULES as SKYRL_REWARD_MODULES
+
+    written = prepare(tmp_path, source="local", splits=["test"], limit=2)
+    rows = read_jsonl(written["test"]["jsonl"])
+    assert {row["env_class"] for row in rows} == {"gsm8k_recipe"}
+    assert SKYRL_REWARD_MODULES["gsm8k_recipe"] == REWARD_MODULES["gsm8k"]
+    for script in ("run_gpu.sh", "run_cpu_smoke.sh"):
+        text = (REPO / "recipes" / "gsm8k" / "skyrl" / script).read_text()
+        assert "environment.env_class=gsm8k_recipe" in text, script
+        assert "trainer.override_entrypoint=recipes.skyrl_main" in text, script

@@ -68,6 +68,36 @@ def test_recipe_env_names_the_columns_a_row_lacks(synthetic_sql_row):
         skyrl_gym.make("txt2sql", env_config={}, extras=row)
 
 
+@pytest.mark.parametrize(
+    "response", ["The total is 42.\n#### 42", "#### 42.0", "####42", "#### $42", "#### 42.00", "#### 41", "42"]
+)
+def test_gsm8k_env_scores_like_the_recipe_reward_on_verl_and_trl(response):
+    # skyrl-gym's own gsm8k environment string-matches: "#### 42.0", "#### $18", "####42" scored 0 there.
+    import skyrl_gym
+
+    from recipes.common.records import to_skyrl_row
+    from recipes.gsm8k.reward import compute_score
+    from recipes.gsm8k.skyrl.data import ENV_CLASS
+    from recipes.skyrl_env import register_recipe_envs
+
+    register_recipe_envs()
+    row = {
+        "data_source": "openai/gsm8k",
+        "prompt": [{"role": "user", "content": "What is 6 x 7?"}],
+        "ability": "math",
+        "reward_model": {"style": "rule", "ground_truth": "42"},
+        "extra_info": {"split": "test", "index": 0},
+    }
+    skyrl_row = to_skyrl_row(row, ENV_CLASS)
+    env = skyrl_gym.make(skyrl_row["env_class"], env_config={}, extras=skyrl_row)
+    expected = compute_score("openai/gsm8k", response, "42")
+    step = env.step(response)
+    assert step["reward"] == expected["score"] and step["done"]
+    assert env.get_metrics() == {"acc": expected["acc"], "format": expected["format"]}
+    if response in ("#### 42.0", "####42", "#### $42"):
+        assert step["reward"] == 1.0
+
+
 @pytest.fixture(scope="module", params=["txt2sql", "long_context_qa"])
 def smoke_run(request, tmp_path_factory) -> tuple[str, Path]:
     task = request.param

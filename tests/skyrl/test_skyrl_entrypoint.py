@@ -1,7 +1,8 @@
 """The acceptance run: SkyRL's own ``main_base`` with the toggle trains a tiny model on GSM8K through arctic-rl.
 
 ``recipes/gsm8k/skyrl/run_cpu_smoke.sh`` is the stock SkyRL command plus
-``trainer.override_entrypoint=arctic_rl_skyrl.entrypoint``: a tiny Qwen2 made
+``trainer.override_entrypoint=recipes.skyrl_main`` (``arctic_rl_skyrl.entrypoint``
+with the recipes' environments registered, GSM8K's reward among them): a tiny Qwen2 made
 on the spot, 16 problems from ../shared/data/gsm8k, 3 GRPO steps on CPU.
 """
 

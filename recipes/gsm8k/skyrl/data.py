@@ -1,12 +1,14 @@
-"""GSM8K in SkyRL's dataset format: the rows of ``recipes.gsm8k.data``, scored by skyrl-gym's ``gsm8k`` env.
+"""GSM8K in SkyRL's dataset format: the rows of ``recipes.gsm8k.data``, scored by the recipe's reward.
 
     python -m recipes.gsm8k.skyrl.data --out ~/data/gsm8k-skyrl                              # from the hub
     python -m recipes.gsm8k.skyrl.data --out /tmp/gsm8k-skyrl --source local --limit 64     # ../shared/data/gsm8k
 
 Writes ``<split>.parquet`` (what ``data.train_data`` / ``data.val_data`` point at) and
-``<split>.jsonl``. Each row carries ``env_class="gsm8k"`` and
-``reward_spec.ground_truth``, which the environment compares with the number
-after ``####`` in the response.
+``<split>.jsonl``. Each row carries ``env_class="gsm8k_recipe"`` and
+``reward_spec.ground_truth``: the environment ``recipes.skyrl_main`` registers
+(``recipes.skyrl_env``) scores the response with ``recipes.gsm8k.reward.compute_score``,
+as verl and TRL do. skyrl-gym's own ``gsm8k`` environment compares strings and
+scores ``#### 42.0``, ``#### $18`` or ``####42`` as wrong.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from pathlib import Path
 from recipes.common.records import to_skyrl_row, write_split
 from recipes.gsm8k.data import SPLITS, Source, default_local_dir, load_split, to_row
 
-ENV_CLASS = "gsm8k"
+ENV_CLASS = "gsm8k_recipe"
 
 
 def prepare(

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # SkyRL on arctic-rl, on a CPU: a tiny Qwen2 made on the spot, 16 GSM8K problems from
-# ../shared/data/gsm8k, GRPO for $STEPS steps (default 3). A stock SkyRL command plus the toggle.
+# ../shared/data/gsm8k, GRPO for $STEPS steps (default 3). A stock SkyRL command plus the toggle, through
+# recipes.skyrl_main so the gsm8k_recipe environment (recipes.gsm8k.reward) scores the rollouts.
 #
 #   bash integrations/arctic_rl_skyrl/install_env.sh      # once: the Python 3.12 environment
 #   bash recipes/gsm8k/skyrl/run_cpu_smoke.sh [more SkyRL overrides ...]
@@ -29,6 +30,7 @@ skyrl_cpu_smoke "$python" "$out" "$steps" \
     generator.batched=true \
     generator.sampling_params.max_generate_length=16 \
     trainer.max_prompt_length=512 \
-    trainer.override_entrypoint=arctic_rl_skyrl.entrypoint \
+    environment.env_class=gsm8k_recipe \
+    trainer.override_entrypoint=recipes.skyrl_main \
     trainer.arctic_rl="{device: cpu, ray_auto_attach: false}" \
     "$@"

@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # SkyRL GRPO on GSM8K with arctic-rl as the backend: Qwen2.5-1.5B-Instruct on one node of $NUM_GPUS GPUs
 # (default 4), training, sampling and the KL reference colocated. The overrides above the toggle are
-# SkyRL's own GSM8K recipe; the last two lines switch it to arctic-rl.
+# SkyRL's own GSM8K recipe; the last two lines switch it to arctic-rl. Rewards come from
+# recipes.gsm8k.reward (as on verl and TRL) in the gsm8k_recipe skyrl-gym environment that
+# recipes.skyrl_main registers (recipes/skyrl_env.py), not skyrl-gym's own gsm8k string match.
 #
 #   bash integrations/arctic_rl_skyrl/install_env.sh           # once: the Python 3.12 environment
 #   bash recipes/gsm8k/skyrl/run_gpu.sh [more SkyRL overrides ...]
@@ -40,11 +42,11 @@ model="${MODEL:-Qwen/Qwen2.5-1.5B-Instruct}"
     trainer.algorithm.use_kl_loss=true \
     generator.n_samples_per_prompt=5 \
     generator.batched=true \
-    environment.env_class=gsm8k \
+    environment.env_class=gsm8k_recipe \
     trainer.logger="${LOGGER:-console}" \
     trainer.project_name=gsm8k \
     trainer.run_name=gsm8k_arctic_rl \
     trainer.ckpt_path="$HOME/ckpts/gsm8k_arctic_rl" \
-    trainer.override_entrypoint=arctic_rl_skyrl.entrypoint \
+    trainer.override_entrypoint=recipes.skyrl_main \
     trainer.arctic_rl="{zorro_train: true, zorro_inference: true}" \
     "$@"
