@@ -75,6 +75,20 @@ def test_every_recipe_turns_qwen3_thinking_off_in_verl_and_trl(task, variant):
     assert trl_config(task, variant).grpo.chat_template_kwargs.enable_thinking is False
 
 
+@pytest.mark.parametrize("task", [*TASKS, "gsm8k"])
+def test_trl_optimizes_like_verl_for_the_same_recipe(task):
+    # TRL's TrainingArguments default to a linear decay to 0 and weight decay 0; verl (and SkyRL)
+    # run a constant learning rate with weight decay 0.01.
+    from trl import GRPOConfig
+
+    verl_optim = verl_config(task, "").actor_rollout_ref.actor.optim
+    args = GRPOConfig(**OmegaConf.to_container(trl_config(task, "").grpo, resolve=True))
+    assert verl_optim.lr_scheduler_type == "constant" and args.lr_scheduler_type == "constant"
+    assert args.weight_decay == verl_optim.weight_decay == 0.01
+    assert args.learning_rate == verl_optim.lr
+    assert not args.warmup_steps and not args.warmup_ratio and not verl_optim.lr_warmup_steps_ratio
+
+
 def test_long_context_qa_keeps_the_questions_on_one_context_together_in_every_framework_that_can():
     verl = verl_config("long_context_qa", "")
     trl = trl_config("long_context_qa", "")
