@@ -5,8 +5,9 @@
 
 The task: a prompt of digits and a colon (``3917:``); the answer is the
 digit after the last one (``8``). A short SFT warm-up gives the randomly
-initialized model the format and a little competence (about 1 in 5 sampled
-answers right); GRPO then takes it the rest of the way from rewards alone.
+initialized model the format and some competence (held-out sampled reward
+0.36 at seed 0, about 1 in 3 answers right); GRPO then takes it the rest of
+the way from rewards alone.
 (From a format-only warm-up at chance, 1 in 10, sparse rewards find nothing
 to reinforce for a model this small: the warm-up is what RL recipes do too.) Rewards are computed here, in the "framework"; arctic-rl does
 generate, fwd_no_grad, fwd_bwd(grpo), step and sync_weights.
@@ -15,6 +16,11 @@ Held-out prompts (digit strings never used in training) are scored before
 and during training, sampling at the training temperature (greedy decoding is
 right already after the warm-up; RL makes the whole distribution right). The
 curve goes to ``<out>/reward_curve.png``.
+
+Each step makes one GRPO update on the batch it sampled, with the old
+log-probs taken from the same weights just before it, so the policy ratio is
+exactly 1: the loss's KL estimate is 0 and nothing is clipped. The per-step
+line therefore shows reward, entropy, gradient norm and step time only.
 """
 
 from __future__ import annotations
@@ -175,10 +181,10 @@ class Demo:
         step = await self.client.step()
         await self.client.sync_weights()
         metrics = out["metrics"]
+        # No KL or clip fraction: one update on old log-probs from these same weights gives ratio 1,
+        # so both are 0 by construction (see the module docstring).
         return {
             "reward": float(reward.mean()),
-            "kl": metrics.get("approx_kl", 0.0),
-            "clip_frac": metrics.get("clip_frac", 0.0),
             "entropy": metrics.get("entropy", 0.0),
             "grad_norm": step["grad_norm"],
         }
@@ -205,8 +211,8 @@ class Demo:
             result.train_rewards.append(log["reward"])
             result.logs.append(log)
             say(
-                f"step {step:3d}  reward {log['reward']:.3f}  kl {log['kl']:.4f}  clip {log['clip_frac']:.3f}"
-                f"  entropy {log['entropy']:.3f}  {log['seconds']:.1f}s"
+                f"step {step:3d}  reward {log['reward']:.3f}  entropy {log['entropy']:.3f}"
+                f"  grad norm {log['grad_norm']:.3f}  {log['seconds']:.1f}s"
             )
             if step % self.config.eval_every == 0 or step == self.config.steps:
                 result.evals.append((step, await self.evaluate()))
