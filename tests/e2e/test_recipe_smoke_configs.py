@@ -45,7 +45,7 @@ def trl_config(task: str, variant: str):
     return composed("trl", task, f"arctic_{task}{variant}", *overrides)
 
 
-@pytest.mark.parametrize("task", TASKS)
+@pytest.mark.parametrize("task", [*TASKS, "gsm8k"])
 def test_verl_gpu_config_validates_on_eight_gpus_with_zorro_and_the_recipe_reward(task):
     from verl.utils.config import omega_conf_to_dataclass
 
@@ -87,6 +87,18 @@ def test_trl_optimizes_like_verl_for_the_same_recipe(task):
     assert args.weight_decay == verl_optim.weight_decay == 0.01
     assert args.learning_rate == verl_optim.lr
     assert not args.warmup_steps and not args.warmup_ratio and not verl_optim.lr_warmup_steps_ratio
+
+
+def test_verl_gsm8k_cpu_config_validates_and_keeps_the_gpu_recipe_but_a_gentler_reward():
+    # Its own test: 3 steps with one validation, and a reward that pays for any number (a random
+    # tiny model never answers right), as the config says.
+    gpu, cpu = verl_config("gsm8k", ""), verl_config("gsm8k", "_cpu")
+    assert cpu.reward.custom_reward_function.path == gpu.reward.custom_reward_function.path
+    assert dict(cpu.reward.custom_reward_function.reward_kwargs) == {"method": "flexible", "format_score": 0.5}
+    assert cpu.actor_rollout_ref.actor.arctic.zorro_train == gpu.actor_rollout_ref.actor.arctic.zorro_train
+    assert cpu.data.shuffle == gpu.data.shuffle
+    assert cpu.trainer.total_training_steps == 3 and cpu.trainer.test_freq == 3
+    assert cpu.actor_rollout_ref.rollout.n == 4 and cpu.data.max_response_length <= 32
 
 
 def test_long_context_qa_keeps_the_questions_on_one_context_together_in_every_framework_that_can():
