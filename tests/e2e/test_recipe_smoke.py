@@ -60,7 +60,8 @@ def smoke_data(task: str, work: Path, tokenizer: str) -> dict[str, Path]:
 def run(command: list[str], work: Path, env: dict[str, str]) -> None:
     environment = {**os.environ, "PYTHONPATH": str(REPO), "RAY_USAGE_STATS_ENABLED": "0", **env}
     environment.pop("RAY_ADDRESS", None)  # a cluster of its own, never another test's
-    result = subprocess.run(command, cwd=REPO, env=environment, capture_output=True, text=True, timeout=600)
+    # Run in the test's own directory: anything written to a relative path stays out of the repository.
+    result = subprocess.run(command, cwd=work, env=environment, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, f"{command[2]} failed:\n{result.stdout[-6000:]}\n{result.stderr[-6000:]}"
 
 
@@ -70,7 +71,7 @@ def verl_smoke(task: str, work: Path, model: str) -> Smoke:
     command = [sys.executable, "-m", "verl.trainer.main_ppo", "--config-path", str(REPO / "recipes" / task / "verl"),
                "--config-name", f"arctic_{task}_cpu", f"actor_rollout_ref.model.path={model}",
                f"data.train_files={data['train']}", f"data.val_files={data['eval']}",
-               f"trainer.default_local_dir={work / 'checkpoints'}"]  # fmt: skip
+               f"trainer.default_local_dir={work / 'checkpoints'}", f"hydra.run.dir={work / 'hydra'}"]  # fmt: skip
     run(command, work, {"VERL_FILE_LOGGER_PATH": str(metrics)})
     records = [json.loads(line) for line in metrics.read_text().splitlines()]
     return Smoke("verl", task, {record["step"]: record["data"] for record in records})

@@ -11,6 +11,8 @@ only its size.
 
 from __future__ import annotations
 
+import os
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -209,3 +211,49 @@ def test_gsm8k_skyrl_launchers_score_with_the_recipe_reward_like_verl_and_trl(tm
         text = (REPO / "recipes" / "gsm8k" / "skyrl" / script).read_text()
         assert "environment.env_class=gsm8k_recipe" in text, script
         assert "trainer.override_entrypoint=recipes.skyrl_main" in text, script
+
+
+def recorded_verl_launch(script: Path, tmp_path: Path, env: dict[str, str]) -> tuple[list[str], str]:
+    """The main_ppo command line ``script`` runs, and its VERL_FILE_LOGGER_PATH, with ``python`` a recorder."""
+    bin_dir, records = tmp_path / "bin", tmp_path / "records"
+    bin_dir.mkdir()
+    records.mkdir()
+    stand_in = bin_dir / "python"
+    stand_in.write_text(
+        "#!/usr/bin/env bash\n"
+        f'record="{records}/$(date +%s%N)"\n'
+        'printf "%s\\0" "$@" > "$record.args"\n'
+        'printf "%s" "${VERL_FILE_LOGGER_PATH:-}" > "$record.logger"\n'
+    )
+    stand_in.chmod(0o755)
+    environment = {**os.environ, **env, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}"}
+    environment.pop("VERL_FILE_LOGGER_PATH", None)
+    subprocess.run(["bash", str(script)], cwd=tmp_path, env=environment, check=True, capture_output=True, timeout=60)
+    for args_file in sorted(records.glob("*.args")):
+        args = args_file.read_bytes().decode().split("\0")[:-1]
+        if args[:2] == ["-m", "verl.trainer.main_ppo"]:
+            return args, args_file.with_suffix(".logger").read_text()
+    raise AssertionError(f"{script} ran no verl.trainer.main_ppo")
+
+
+@pytest.mark.parametrize("task", [*TASKS, "gsm8k"])
+@pytest.mark.parametrize("script", ["run_cpu_smoke.sh", "run.sh"])
+def test_verl_launchers_write_logs_checkpoints_and_hydra_outputs_under_their_output_dir(task, script, tmp_path):
+    # A CPU smoke run wrote arctic_rl_txt2sql/qwen3_8b_grpo_spider.jsonl (verl's file logger:
+    # <project_name>/<experiment_name>.jsonl in the current directory) into the repository.
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "train.parquet").touch()  # run.sh then skips its data preparation
+    out = tmp_path / ("work" if script == "run_cpu_smoke.sh" else "out")
+    env = {"WORK": str(out)} if script == "run_cpu_smoke.sh" else {"OUT": str(out), "DATA": str(data)}
+    args, logger_path = recorded_verl_launch(REPO / "recipes" / task / "verl" / script, tmp_path, env)
+    overrides = dict(arg.split("=", 1) for arg in args if "=" in arg)
+    assert Path(logger_path).parent == out
+    assert Path(overrides["trainer.default_local_dir"]).parent == out
+    assert Path(overrides["hydra.run.dir"]).parent == out
+
+
+def test_verl_gpu_launchers_default_to_runs_in_the_repository(tmp_path):
+    for task in [*TASKS, "gsm8k"]:
+        text = (REPO / "recipes" / task / "verl" / "run.sh").read_text()
+        assert f'OUT="${{OUT:-$REPO/runs/{task}-verl}}"' in text

@@ -15,6 +15,9 @@ set -euo pipefail
 
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 REPO="$(cd "$HERE/../../.." && pwd)"
+# Checkpoints, Hydra's outputs and (with trainer.logger including file) metrics.jsonl; the default is
+# runs/long_context_qa-verl in the repository (git-ignored), never the bare relative paths verl's config names.
+OUT="${OUT:-$REPO/runs/long_context_qa-verl}"
 DATA="${DATA:-$HOME/data/hotpotqa}"
 
 cd "$REPO"
@@ -26,6 +29,8 @@ fi
 export VERL_PLATFORM=cpu
 # The reward workers import recipes.long_context_qa.reward.
 export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}"
+export VERL_FILE_LOGGER_PATH="${VERL_FILE_LOGGER_PATH:-$OUT/metrics.jsonl}"
 
 exec python -m verl.trainer.main_ppo --config-path "$HERE" --config-name arctic_long_context_qa \
-    data.train_files="$DATA/train.parquet" data.val_files="$DATA/test.parquet" "$@"
+    data.train_files="$DATA/train.parquet" data.val_files="$DATA/test.parquet" \
+    trainer.default_local_dir="$OUT/checkpoints" hydra.run.dir="$OUT/hydra" "$@"

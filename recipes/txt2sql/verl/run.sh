@@ -14,6 +14,9 @@ set -euo pipefail
 
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 REPO="$(cd "$HERE/../../.." && pwd)"
+# Checkpoints, Hydra's outputs and (with trainer.logger including file) metrics.jsonl; the default is
+# runs/txt2sql-verl in the repository (git-ignored), never the bare relative paths verl's config names.
+OUT="${OUT:-$REPO/runs/txt2sql-verl}"
 DATA="${DATA:-$HOME/data/spider}"
 
 cd "$REPO"
@@ -26,6 +29,8 @@ fi
 export VERL_PLATFORM=cpu
 # The reward workers import recipes.txt2sql.reward.
 export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}"
+export VERL_FILE_LOGGER_PATH="${VERL_FILE_LOGGER_PATH:-$OUT/metrics.jsonl}"
 
 exec python -m verl.trainer.main_ppo --config-path "$HERE" --config-name arctic_txt2sql \
-    data.train_files="$DATA/train.parquet" data.val_files="$DATA/dev.parquet" "$@"
+    data.train_files="$DATA/train.parquet" data.val_files="$DATA/dev.parquet" \
+    trainer.default_local_dir="$OUT/checkpoints" hydra.run.dir="$OUT/hydra" "$@"
