@@ -115,8 +115,11 @@ def _blob_query(rows: int, columns: int) -> str:
     return f"WITH RECURSIVE r(i) AS (SELECT 1 UNION ALL SELECT i + 1 FROM r LIMIT {rows}) SELECT {values} FROM r"
 
 
+# Peak memory from VmHWM, this process image's high-water mark: ru_maxrss survives exec, so a child of a
+# large pytest process would report the parent's peak (1.1 GB in CI) rather than its own.
 _HUGE_RESULTS_SCRIPT = """
-import json, resource, sys, time
+import json, re, sys, time
+from pathlib import Path
 from recipes.txt2sql.sandbox import ExecutionLimits, SQLExecutionError, execute_readonly
 outcomes = []
 for sql in json.loads(sys.argv[2]):
@@ -126,7 +129,8 @@ for sql in json.loads(sys.argv[2]):
     except SQLExecutionError as error:
         outcome = type(error).__name__
     outcomes.append([outcome, time.monotonic() - start])
-print(json.dumps({"outcomes": outcomes, "max_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
+peak_kb = int(re.search(r"VmHWM:\\s+(\\d+) kB", Path("/proc/self/status").read_text()).group(1))
+print(json.dumps({"outcomes": outcomes, "max_rss_mb": peak_kb / 1024}))
 """
 
 
