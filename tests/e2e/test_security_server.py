@@ -480,7 +480,9 @@ def test_sigterm_finishes_in_flight_requests_releases_every_actor_and_exits_0(se
         assert time.monotonic() < deadline, dispatched()
         time.sleep(0.05)
     server.process.send_signal(signal.SIGTERM)
-    with pytest.raises(httpx.ConnectError):  # no new connection is accepted once the signal is in
+    # No new request is served once the signal is in: the connection is refused, or, when it raced the
+    # listening socket's close (accepted by the kernel, never by the server), reset or closed unanswered.
+    with pytest.raises((httpx.ConnectError, httpx.ReadError, httpx.RemoteProtocolError)):
         for _ in range(200):
             httpx.get(f"{server.url}/health", timeout=5)
             time.sleep(0.05)
