@@ -113,10 +113,16 @@ def test_stop_token_ids_end_the_completion_unless_min_tokens_bans_them(models):
     assert stop_id not in held.token_ids and held.finish_reason == "length" and len(held.token_ids) == 8
 
 
-def test_eos_from_generation_config_stops_unless_ignore_eos(models, tmp_path):
+def _copy_with_free_run(models, tmp_path):
+    """A copy of the llama model whose config a test may edit, and its greedy completion with EOS ignored."""
     path = tmp_path / "eos-model"
     shutil.copytree(models["llama"], path)
     free = _engine(path).generate([PROMPTS[1]], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))[0][0]
+    return path, free
+
+
+def test_eos_from_generation_config_stops_unless_ignore_eos(models, tmp_path):
+    path, free = _copy_with_free_run(models, tmp_path)
     eos = free.token_ids[3]
     config = json.loads((path / "generation_config.json").read_text())
     (path / "generation_config.json").write_text(json.dumps({**config, "eos_token_id": eos}))
@@ -131,9 +137,7 @@ def test_eos_from_generation_config_stops_unless_ignore_eos(models, tmp_path):
 
 def test_the_tokenizers_eos_stops_even_when_generation_config_lists_other_eos_ids(models, tmp_path):
     # A fine-tuned checkpoint whose tokenizer EOS changed while generation_config.json kept the base model's.
-    path = tmp_path / "eos-model"
-    shutil.copytree(models["llama"], path)
-    free = _engine(path).generate([PROMPTS[1]], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))[0][0]
+    path, free = _copy_with_free_run(models, tmp_path)
     eos = free.token_ids[2]
     generation_config = json.loads((path / "generation_config.json").read_text())
     assert generation_config["eos_token_id"] not in free.token_ids
@@ -148,9 +152,7 @@ def test_the_tokenizers_eos_stops_even_when_generation_config_lists_other_eos_id
 
 
 def test_min_tokens_bans_eos_even_under_ignore_eos(models, tmp_path):
-    path = tmp_path / "eos-model"
-    shutil.copytree(models["llama"], path)
-    free = _engine(path).generate([PROMPTS[1]], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))[0][0]
+    path, free = _copy_with_free_run(models, tmp_path)
     eos = free.token_ids[0]
     config = json.loads((path / "generation_config.json").read_text())
     (path / "generation_config.json").write_text(json.dumps({**config, "eos_token_id": eos}))

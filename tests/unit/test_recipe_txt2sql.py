@@ -32,12 +32,16 @@ ENDLESS_CTE = "WITH RECURSIVE r(n) AS (SELECT 1 UNION ALL SELECT n + 1 FROM r) S
 
 @pytest.fixture
 def db(tmp_path) -> Path:
-    path = tmp_path / "shop.sqlite"
-    connection = sqlite3.connect(path)
-    connection.executescript(
+    return _database(
+        tmp_path / "shop.sqlite",
         "CREATE TABLE t (id INTEGER PRIMARY KEY, name TEXT, price REAL);"
-        "INSERT INTO t (name, price) VALUES ('apple', 1.5), ('pear', 2.0), ('fig', 3.25), ('kiwi', 0.5);"
+        "INSERT INTO t (name, price) VALUES ('apple', 1.5), ('pear', 2.0), ('fig', 3.25), ('kiwi', 0.5);",
     )
+
+
+def _database(path: Path, script: str) -> Path:
+    connection = sqlite3.connect(path)
+    connection.executescript(script)
     connection.commit()
     connection.close()
     return path
@@ -166,13 +170,10 @@ def test_results_past_the_byte_limit_are_refused(db):
 
 
 def test_the_column_limit_admits_the_databases_own_wide_tables(tmp_path):
-    path = tmp_path / "wide.sqlite"
-    connection = sqlite3.connect(path)
     columns = ", ".join(f"c{i} INTEGER" for i in range(100))
-    connection.execute(f"CREATE TABLE wide ({columns})")
-    connection.execute(f"INSERT INTO wide VALUES ({', '.join(['1'] * 100)})")
-    connection.commit()
-    connection.close()
+    path = _database(
+        tmp_path / "wide.sqlite", f"CREATE TABLE wide ({columns}); INSERT INTO wide VALUES ({', '.join(['1'] * 100)});"
+    )
     assert len(execute_readonly(path, "SELECT * FROM wide")[0]) == 100
     assert len(execute_readonly(path, "SELECT * FROM wide AS a, wide AS b")[0]) == 200
     with pytest.raises(SQLResultTooLarge):
@@ -181,15 +182,11 @@ def test_the_column_limit_admits_the_databases_own_wide_tables(tmp_path):
 
 @pytest.fixture
 def bad_utf8_db(tmp_path) -> Path:
-    path = tmp_path / "bad_utf8.sqlite"
-    connection = sqlite3.connect(path)
-    connection.executescript(
+    return _database(
+        tmp_path / "bad_utf8.sqlite",
         "CREATE TABLE people (id INTEGER PRIMARY KEY, name TEXT);"
-        "INSERT INTO people (name) VALUES (CAST(x'4d61726961ff' AS TEXT)), ('Ana');"
+        "INSERT INTO people (name) VALUES (CAST(x'4d61726961ff' AS TEXT)), ('Ana');",
     )
-    connection.commit()
-    connection.close()
-    return path
 
 
 def test_invalid_utf8_text_is_read_with_replacement_characters(bad_utf8_db):
