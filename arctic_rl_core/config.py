@@ -230,16 +230,25 @@ class OptimizerConfig(BaseModel):
 
 
 class MicroBatchSpec(BaseModel):
-    """How a batch is split: each micro-batch holds at most ``max_tokens_per_mb`` tokens (rows x longest row).
+    """How a call's rows are split into micro-batches. None of these changes a loss or its gradients: they bound memory.
 
-    The budget bounds forward-only calls too (``fwd_no_grad``, reference log-probs); ``n_mbs`` is for
-    ``fwd_bwd`` only.
+    Each micro-batch holds at most ``max_tokens_per_mb`` tokens (rows x longest row) and at most
+    ``max_rows_per_mb`` rows. Forward-only calls (``fwd_no_grad``, reference log-probs) keep the same
+    bounds, except that ``max_rows_per_forward_mb``, when set, replaces the row bound for them (as
+    SkyRL's ``micro_forward_batch_size_per_gpu`` and verl's ``log_prob_micro_batch_size_per_gpu`` do).
+    ``n_mbs`` is for ``fwd_bwd`` only.
     """
 
     model_config = ConfigDict(extra="ignore")
 
     max_tokens_per_mb: Optional[int] = Field(None, ge=1, description="None: one micro-batch per call.")
     n_mbs: Optional[int] = Field(None, ge=1, description="Minimum number of micro-batches.")
+    max_rows_per_mb: Optional[int] = Field(None, ge=1, description="None: no bound on a micro-batch's rows.")
+    max_rows_per_forward_mb: Optional[int] = Field(None, ge=1, description="None: max_rows_per_mb.")
+
+    @property
+    def forward_max_rows(self) -> Optional[int]:
+        return self.max_rows_per_forward_mb or self.max_rows_per_mb
 
 
 class ZorroTrainConfig(BaseModel):

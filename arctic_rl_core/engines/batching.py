@@ -89,16 +89,28 @@ def contiguous_split(weights: list[int], parts: int) -> list[tuple[int, int]]:
     return list(zip(cuts[:-1], cuts[1:]))
 
 
-def micro_batches(batch: RowBatch, max_tokens: int | None, min_count: int = 1) -> list[RowBatch]:
+def _row_capped_split(rows: int, max_rows: int) -> list[tuple[int, int]]:
+    """``rows`` consecutive rows in the fewest ranges of at most ``max_rows``, their sizes differing by one at most."""
+    parts = max(1, -(-rows // max_rows))
+    cuts = [rows * k // parts for k in range(parts + 1)]
+    return list(zip(cuts[:-1], cuts[1:]))
+
+
+def micro_batches(
+    batch: RowBatch, max_tokens: int | None, min_count: int = 1, max_rows: int | None = None
+) -> list[RowBatch]:
     """Greedy consecutive packing: each micro-batch's padded size (rows x longest row) stays under ``max_tokens``.
 
-    At least ``min_count`` micro-batches (as many as there are rows, at most) come out: the heaviest
-    ranges are halved until there are enough, and a part of a range never exceeds the range's budget.
+    No micro-batch holds more than ``max_rows`` rows. At least ``min_count`` micro-batches (as many as
+    there are rows, at most) come out: the heaviest ranges are halved until there are enough, and a
+    part of a range never exceeds the range's budget.
     """
-    return [batch.select(a, b).trimmed() for a, b in micro_batch_rows(batch, max_tokens, min_count)]
+    return [batch.select(a, b).trimmed() for a, b in micro_batch_rows(batch, max_tokens, min_count, max_rows)]
 
 
-def micro_batch_rows(batch: RowBatch, max_tokens: int | None, min_count: int = 1) -> list[tuple[int, int]]:
+def micro_batch_rows(
+    batch: RowBatch, max_tokens: int | None, min_count: int = 1, max_rows: int | None = None
+) -> list[tuple[int, int]]:
     """The (start, stop) row ranges of ``micro_batches``, none of them empty."""
     lengths = batch.attention_mask.sum(-1).tolist()
     count = max(1, min(min_count, batch.rows))
@@ -113,10 +125,10 @@ def micro_batch_rows(batch: RowBatch, max_tokens: int | None, min_count: int = 1
                 start, longest_with_row = row, length
             longest = longest_with_row
         ranges.append((start, batch.rows))
-        while len(ranges) < count:
-            index = max(
-                (i for i, (a, b) in enumerate(ranges) if b - a > 1), key=lambda i: sum(lengths[slice(*ranges[i])])
-            )
-            a, b = ranges[index]
-            ranges[index : index + 1] = [(a + lo, a + hi) for lo, hi in contiguous_split(lengths[a:b], 2)]
+    if max_rows is not None:
+        ranges = [(a + lo, a + hi) for a, b in ranges for lo, hi in _row_capped_split(b - a, max_rows)]
+    while len(ranges) < count:
+        index = max((i for i, (a, b) in enumerate(ranges) if b - a > 1), key=lambda i: sum(lengths[slice(*ranges[i])]))
+        a, b = ranges[index]
+        ranges[index : index + 1] = [(a + lo, a + hi) for lo, hi in contiguous_split(lengths[a:b], 2)]
     return [(a, b) for a, b in ranges if b > a]

@@ -10,7 +10,6 @@ arctic settings at all; a user overrides any of them as one flag,
 """
 
 # No `from __future__ import annotations`: SkyRL builds nested configs from real field types.
-import math
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -223,7 +222,7 @@ def client_config(
             # SkyRL's FSDP AdamW decays every parameter, biases and norm weights included.
             "no_decay_params": [],
         },
-        "mb_spec": _micro_batch_spec(cfg, where.training_gpus),
+        "mb_spec": _micro_batch_spec(cfg),
         "zorro_train": {"enable": arctic.zorro_train},
     }
     ds_config: dict = {"zero_optimization": {"stage": arctic.zero_stage}}
@@ -260,13 +259,15 @@ def client_config(
     )
 
 
-def _micro_batch_spec(cfg: SkyRLTrainConfig, training_gpus: int) -> dict:
-    """SkyRL's micro-batching knobs as arctic's: a token budget, or enough micro-batches per rank.
+def _micro_batch_spec(cfg: SkyRLTrainConfig) -> dict:
+    """SkyRL's micro-batching knobs as arctic's: a token budget, or its rows per micro-batch for training and forwards.
 
     Neither changes the loss or its gradients (arctic normalizes by the whole call); they bound memory.
     """
     trainer = cfg.trainer
     if trainer.max_tokens_per_microbatch > 0:
         return {"max_tokens_per_mb": trainer.max_tokens_per_microbatch}
-    rows_per_rank = trainer.policy_mini_batch_size * cfg.generator.n_samples_per_prompt / training_gpus
-    return {"n_mbs": max(1, math.ceil(rows_per_rank / trainer.micro_train_batch_size_per_gpu))}
+    return {
+        "max_rows_per_mb": trainer.micro_train_batch_size_per_gpu,
+        "max_rows_per_forward_mb": trainer.micro_forward_batch_size_per_gpu,
+    }

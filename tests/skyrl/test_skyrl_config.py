@@ -129,10 +129,9 @@ def test_learning_rates_equal_skyrl_schedulers(scheduler):
         skyrl.step()
 
 
-def test_micro_batches_follow_skyrl_micro_batch_size_per_rank():
-    # 4 prompts x 4 samples = 16 rows per mini-batch, on 2 ranks: 8 rows, 3 per micro-batch -> 3 micro-batches.
-    cfg = parse("trainer.micro_train_batch_size_per_gpu=3", "trainer.arctic_rl.training_gpus=2")
-    assert client_config(cfg, 10).training_config["mb_spec"] == {"n_mbs": 3}
+def test_micro_batches_follow_skyrl_micro_batch_sizes_per_rank():
+    cfg = parse("trainer.micro_train_batch_size_per_gpu=3", "trainer.micro_forward_batch_size_per_gpu=5")
+    assert client_config(cfg, 10).training_config["mb_spec"] == {"max_rows_per_mb": 3, "max_rows_per_forward_mb": 5}
 
 
 def test_token_budget_replaces_micro_batch_size():

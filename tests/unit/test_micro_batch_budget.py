@@ -32,3 +32,27 @@ def test_every_budget_and_count_keeps_rows_in_order_and_within_budget():
             assert len(parts) >= min(min_count, 5)
             assert all(p.rows == 1 or p.input_ids.numel() <= max_tokens for p in parts), (lengths, max_tokens)
             assert torch.equal(torch.cat([p.input_ids.sum(-1) for p in parts]), batch.input_ids.sum(-1))
+
+
+def test_the_row_bound_holds_with_every_budget_and_count():
+    for lengths in itertools.product([1, 3, 7], repeat=5):
+        batch = _right_padded(list(lengths))
+        for max_tokens, min_count, max_rows in itertools.product([None, 9, 40], [1, 3], [1, 2, 4]):
+            parts = micro_batches(batch, max_tokens, min_count, max_rows)
+            assert len(parts) >= max(min_count, -(-5 // max_rows))
+            assert all(p.rows <= max_rows for p in parts), (lengths, max_tokens, min_count, max_rows)
+            assert all(max_tokens is None or p.rows == 1 or p.input_ids.numel() <= max_tokens for p in parts)
+            assert torch.equal(torch.cat([p.input_ids.sum(-1) for p in parts]), batch.input_ids.sum(-1))
+
+
+def test_an_empty_batch_has_no_micro_batches():
+    empty = RowBatch(torch.zeros(0, 4, dtype=torch.long), torch.zeros(0, 4))
+    assert micro_batches(empty, 16, 4, 2) == [] and micro_batches(empty, None) == []
+
+
+def test_forward_only_calls_take_the_training_row_bound_unless_given_their_own():
+    from arctic_rl_core.config import MicroBatchSpec
+
+    assert MicroBatchSpec().forward_max_rows is None
+    assert MicroBatchSpec(max_rows_per_mb=3).forward_max_rows == 3
+    assert MicroBatchSpec(max_rows_per_mb=3, max_rows_per_forward_mb=8).forward_max_rows == 8

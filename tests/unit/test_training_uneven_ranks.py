@@ -24,7 +24,7 @@ def _batch() -> torch.Tensor:
 
 
 def _rank(rank: int, port: int, model: str, results) -> None:
-    from arctic_rl_core.config import TrainingConfig
+    from arctic_rl_core.config import MicroBatchSpec, TrainingConfig
     from arctic_rl_core.engines.batching import RowBatch
     from arctic_rl_core.engines.training.worker import DeepSpeedWorker, LossCall, WorkerSpec
 
@@ -43,8 +43,15 @@ def _rank(rank: int, port: int, model: str, results) -> None:
         shapes, forward = [], worker._outputs
         worker._outputs = lambda part, *args, **kwargs: (shapes.append(list(part.input_ids.shape)), forward(part, *args, **kwargs))[1]  # fmt: skip
         uneven = worker.fwd_no_grad(RowBatch(mine, mask), [], True)
+        results.put((rank, "fwd_no_grad micro-batched", (list(shapes), uneven["log_probs_shifted"])))
+        # A row bound instead of the token budget: rank 0 runs 2 passes of 2 rows, rank 1 one pass and a join.
+        rows = MicroBatchSpec(max_rows_per_mb=1, max_rows_per_forward_mb=2)
+        budget, worker.spec.training.mb_spec = worker.spec.training.mb_spec, rows
+        shapes.clear()
+        by_rows = worker.fwd_no_grad(RowBatch(mine, mask), [], True)
+        results.put((rank, "fwd_no_grad by rows", (list(shapes), by_rows["log_probs_shifted"])))
+        worker.spec.training.mb_spec = budget
         worker._outputs = forward
-        results.put((rank, "fwd_no_grad micro-batched", (shapes, uneven["log_probs_shifted"])))
         call = LossCall("sft", {}, [], global_tokens=ROWS * (WIDTH - 1), global_seqs=ROWS, horizon=WIDTH)
         trained = worker.fwd_bwd(RowBatch(mine, mask, loss_mask, {}), call)
         results.put((rank, "fwd_bwd", trained["micro_batches"]))
@@ -61,7 +68,7 @@ def _rank(rank: int, port: int, model: str, results) -> None:
 
 @pytest.fixture(scope="module")
 def outcomes(tiny_model) -> dict:
-    return run_ranks(_rank, (tiny_model,), reports=10, deadline_s=DEADLINE_S)
+    return run_ranks(_rank, (tiny_model,), reports=12, deadline_s=DEADLINE_S)
 
 
 def _reference_grad_norm(model_path: str) -> float:
@@ -93,6 +100,9 @@ def test_zero3_fwd_no_grad_in_uneven_micro_batches_finishes_with_the_whole_batch
     got = torch.cat([got0, got1])
     torch.testing.assert_close(got[:, :-1], expected, rtol=1e-5, atol=1e-5)
     assert (got[:, -1] == 0).all()
+    (rows0, by_rows0), (rows1, by_rows1) = (outcomes[(r, "fwd_no_grad by rows")] for r in (0, 1))
+    assert rows0 == [[2, WIDTH]] * 2 and rows1 == [[1, WIDTH]]  # max_rows_per_forward_mb=2
+    torch.testing.assert_close(torch.cat([by_rows0, by_rows1]), got, rtol=0, atol=1e-6)
 
 
 def test_zero3_fwd_no_grad_with_fewer_rows_than_ranks_finishes(outcomes):

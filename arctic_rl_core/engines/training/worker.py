@@ -195,7 +195,7 @@ class DeepSpeedWorker:
         # Entropy is always reported; it carries a gradient only when the loss uses it.
         entropy_mode = "grad" if spec.needs_entropy(config) else "metric"
         mb_spec = self.spec.training.mb_spec
-        parts = micro_batches(batch, mb_spec.max_tokens_per_mb, mb_spec.n_mbs or 1) if batch.rows else []
+        parts = micro_batches(batch, mb_spec.max_tokens_per_mb, mb_spec.n_mbs or 1, mb_spec.max_rows_per_mb)
         sums: dict[str, list] = {}  # name -> [total, weight], floats or device scalars
         maxima: dict[str, list] = {}
         loss_total: float | torch.Tensor = 0.0
@@ -290,13 +290,14 @@ class DeepSpeedWorker:
             self._dummy_loss()
 
     def _forward_passes(self, batch: RowBatch) -> Iterator[tuple[tuple[slice, slice], RowBatch, torch.Tensor] | None]:
-        """A forward-only call in micro-batches of ``mb_spec.max_tokens_per_mb``: (rows, columns), part, select.
+        """A forward-only call in micro-batches within ``mb_spec``'s bounds: (rows, columns), part, select.
 
         Its activations and LM-head outputs then take no more memory than a training micro-batch's.
         Under ZeRO-3 every pass gathers the parameters, so each rank runs as many passes as the
         busiest one: ``None`` marks a pass with no rows of this rank's, which joins the gathers.
         """
-        ranges = micro_batch_rows(batch, self.spec.training.mb_spec.max_tokens_per_mb) if batch.rows else []
+        mb_spec = self.spec.training.mb_spec
+        ranges = micro_batch_rows(batch, mb_spec.max_tokens_per_mb, max_rows=mb_spec.forward_max_rows)
         passes = self._most_over_ranks(len(ranges)) if self._zero_stage == 3 else len(ranges)
         for index in range(passes):
             if index >= len(ranges):
