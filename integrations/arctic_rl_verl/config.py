@@ -46,8 +46,9 @@ class ArcticEngineConfig(EngineConfig):
         zorro_train: pack shared prompts once in training forward/backward (ZoRRo Train).
         zorro_inference: Forest Cascade Attention in decode (ZoRRo Inference).
         ds_config: DeepSpeed config of the training engine (e.g. zero_optimization).
-        micro_batch_max_tokens: token budget of one training micro-batch (memory only:
-            arctic-rl normalizes over the whole call, so the loss does not depend on it).
+        micro_batch_max_tokens: token budget of one micro-batch, replacing verl's micro-batch
+            sizes (memory only: arctic-rl normalizes over the whole call, so the loss does not
+            depend on it). None: verl's own, as ``mapping.micro_batch_spec`` maps them.
         gradient_checkpointing: recompute activations in backward.
         max_model_len, max_num_seqs, gpu_memory_utilization, enable_prefix_caching: sampler.
         generate_batch_window_s: how long the rollout server gathers concurrent verl

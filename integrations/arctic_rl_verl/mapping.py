@@ -415,13 +415,31 @@ def resolve_device(requested: str) -> str:
     return "cpu" if cpu_only_torch() else cluster_device()
 
 
+def micro_batch_spec(arctic) -> dict:
+    """verl's micro-batch sizes as arctic's ``mb_spec``: memory only, the loss does not depend on them.
+
+    verl's worker fills the engine config from the actor and rollout sections: under
+    ``use_dynamic_bsz`` a token budget (``ppo_max_token_len_per_gpu``), else rows per GPU for
+    training (``ppo_micro_batch_size_per_gpu``) and for log-probs (``log_prob_micro_batch_size_per_gpu``).
+    ``micro_batch_max_tokens``, when set, replaces them.
+    """
+    if arctic.micro_batch_max_tokens is not None:
+        return {"max_tokens_per_mb": arctic.micro_batch_max_tokens}
+    if arctic.use_dynamic_bsz:
+        return {"max_tokens_per_mb": arctic.max_token_len_per_gpu}
+    return {
+        "max_rows_per_mb": arctic.micro_batch_size_per_gpu,
+        "max_rows_per_forward_mb": arctic.infer_micro_batch_size_per_gpu,
+    }
+
+
 def client_config(arctic, model_config, optim) -> ArcticRLClientConfig:
     """The arctic-rl deployment for the arctic settings, verl's model and verl's optimizer settings."""
     training_config = {
         "optimizer": optimizer_settings(optim, arctic.optimizer_steps_per_training_step),
         "dtype": arctic.dtype,
         "gradient_checkpointing": arctic.gradient_checkpointing,
-        "mb_spec": {"max_tokens_per_mb": arctic.micro_batch_max_tokens},
+        "mb_spec": micro_batch_spec(arctic),
         "zorro_train": {"enable": arctic.zorro_train},
     }
     sampler = {

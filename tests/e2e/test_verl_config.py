@@ -20,7 +20,7 @@ from verl.workers.engine.fsdp.transformer_impl import FSDPEngine
 from arctic_rl_core.config import OptimizerConfig
 from arctic_rl_core.engines.training.deepspeed_setup import build_optimizer, lr_multiplier
 from arctic_rl_verl.config import ArcticActorConfig, ArcticEngineConfig
-from arctic_rl_verl.mapping import UnsupportedVerlSetting, optimizer_settings
+from arctic_rl_verl.mapping import UnsupportedVerlSetting, micro_batch_spec, optimizer_settings
 
 RECIPE = Path(__file__).resolve().parents[2] / "recipes" / "gsm8k" / "verl"
 PATHS = [
@@ -62,6 +62,34 @@ def test_gpu_recipe_validates_with_four_optimizer_steps_per_training_step():
     actor = validated_actor("arctic_gsm8k")
     assert (actor.arctic.training_gpus, actor.arctic.sampling_gpus, actor.arctic.log_prob_gpus) == (8, 8, 8)
     assert actor.arctic.optimizer_steps_per_training_step == 256 // 64
+
+
+def _engine_as_verls_worker_fills_it(*overrides: str) -> ArcticEngineConfig:
+    """The engine config after verl's ActorRolloutRefWorker copied the actor's and rollout's sizes into it."""
+    cfg = config("arctic_gsm8k_cpu", *overrides)
+    validate_config(cfg, use_reference_policy=need_reference_policy(cfg), use_critic=need_critic(cfg))
+    actor, rollout = omega_conf_to_dataclass(cfg.actor_rollout_ref.actor), cfg.actor_rollout_ref.rollout
+    engine = actor.engine
+    engine.use_dynamic_bsz = actor.use_dynamic_bsz
+    engine.max_token_len_per_gpu = actor.ppo_max_token_len_per_gpu
+    engine.micro_batch_size_per_gpu = actor.ppo_micro_batch_size_per_gpu
+    engine.infer_max_token_len_per_gpu = rollout.log_prob_max_token_len_per_gpu
+    engine.infer_micro_batch_size_per_gpu = rollout.log_prob_micro_batch_size_per_gpu
+    return engine
+
+
+def test_micro_batches_follow_verls_sizes_per_rank():
+    sizes = ["actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=3", "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=5"]  # fmt: skip
+    assert micro_batch_spec(_engine_as_verls_worker_fills_it(*sizes)) == {"max_rows_per_mb": 3, "max_rows_per_forward_mb": 5}  # fmt: skip
+    dynamic = [
+        "actor_rollout_ref.actor.use_dynamic_bsz=true",
+        "actor_rollout_ref.rollout.log_prob_use_dynamic_bsz=true",
+        "actor_rollout_ref.ref.log_prob_use_dynamic_bsz=true",
+        "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=4096",
+    ]
+    assert micro_batch_spec(_engine_as_verls_worker_fills_it(*dynamic)) == {"max_tokens_per_mb": 4096}
+    budget = "actor_rollout_ref.actor.arctic.micro_batch_max_tokens=999"
+    assert micro_batch_spec(_engine_as_verls_worker_fills_it(*sizes, budget)) == {"max_tokens_per_mb": 999}
 
 
 def test_verl_clip_higher_and_token_tis_become_clip_bounds_and_a_behaviour_weight_cap():
