@@ -4,6 +4,7 @@
 #   bash scripts/gpu_check.sh tests     # tests/gpu: kernels, native engine, sleep modes, weight sync (~5 min)
 #   bash scripts/gpu_check.sh bench     # sampling.py, fca.py, fca_sweep.py --quick (~8 min)
 #   bash scripts/gpu_check.sh profile   # decode_profile.py, decode_linear.py --chain-only, fca_sweep.py
+#   bash scripts/gpu_check.sh fingerprint  # the code fingerprint summary.txt records, for this tree
 #
 # On the device machine, from the project root: `source .whl/setup.sh && bash scripts/gpu_check.sh tests`.
 # Each step has its own time limit, so one slow step still leaves the others' logs; summary.txt lists
@@ -22,7 +23,12 @@ step() {  # step NAME LIMIT_S COMMAND...
   printf '%-22s rc %3d  %4d s  %s\n' "$name" "$rc" "$((SECONDS - start))" "$*" | tee -a "$out/summary.txt"
 }
 
-{ date -u; git log -1 --format='%h %s' 2>/dev/null; nvidia-smi --query-gpu=name,memory.total,clocks.max.sm \
+# The device's copy of .git may lag the working tree it runs, so the code itself is fingerprinted too:
+# `bash scripts/gpu_check.sh fingerprint` here prints the same line for a local tree.
+fingerprint() { echo "code $(find arctic_rl_core benchmarks tests/gpu -name '*.py' | LC_ALL=C sort | xargs cat | sha1sum | cut -c1-12)"; }
+if [ "${1:-}" = fingerprint ]; then fingerprint; exit 0; fi
+
+{ date -u; git log -1 --format='%h %s' 2>/dev/null; fingerprint; nvidia-smi --query-gpu=name,memory.total,clocks.max.sm \
   --format=csv 2>&1; } >"$out/summary.txt"
 
 case "${1:-}" in
