@@ -81,6 +81,12 @@ def training_config_problems(user: dict | None, args: GRPOConfig) -> list[Proble
 def with_grpo_training_config(
     config: ArcticRLClientConfig, args: GRPOConfig, max_steps: int, no_decay_params: list[str] | None = None
 ) -> ArcticRLClientConfig:
-    """``config`` with GRPOConfig's training options merged into its ``training_config`` (checked beforehand)."""
-    merged = {**(config.training_config or {}), **training_config_from_grpo(args, max_steps, no_decay_params)}
+    """``config`` with GRPOConfig's training options merged into its ``training_config`` (checked beforehand).
+
+    TRL computes old and reference log-probs ``per_device_train_batch_size`` rows at a time, so forward-only
+    calls get that row bound unless the deployment's ``mb_spec`` names its own.
+    """
+    user = config.training_config or {}
+    mb_spec = {"max_rows_per_forward_mb": args.per_device_train_batch_size, **user.get("mb_spec", {})}
+    merged = {**user, **training_config_from_grpo(args, max_steps, no_decay_params), "mb_spec": mb_spec}
     return config.model_copy(update={"training_config": merged})

@@ -19,7 +19,7 @@ from trl import GRPOConfig  # noqa: E402
 
 from arctic_rl_core import ArcticRLClientConfig  # noqa: E402
 from arctic_rl_trl import ArcticGRPOTrainer, UnsupportedGRPOOption  # noqa: E402
-from arctic_rl_trl.engine_config import training_config_from_grpo  # noqa: E402
+from arctic_rl_trl.engine_config import training_config_from_grpo, with_grpo_training_config  # noqa: E402
 from tests.installed import require  # noqa: E402
 
 
@@ -193,3 +193,14 @@ def test_the_engine_decays_exactly_the_parameters_hfs_trainer_decays(tiny_model,
     engine = decayed(build_optimizer(model.named_parameters(), OptimizerConfig(**sent["optimizer"]), "cpu"))
     assert engine == hf
     assert "model.layers.0.self_attn.sinks" in hf and "model.layers.0.mlp.experts.down_proj_bias" not in hf
+
+
+def test_forward_only_calls_take_trls_log_prob_batch_size_unless_mb_spec_names_its_own(tmp_path):
+    args = grpo_args(tmp_path, per_device_train_batch_size=6, num_generations=3)
+    plain = with_grpo_training_config(arctic_config("m"), args, 2).training_config
+    assert plain["mb_spec"] == {"max_rows_per_forward_mb": 6}
+    own = arctic_config("m", training_config={"mb_spec": {"max_tokens_per_mb": 64, "max_rows_per_forward_mb": 2}})
+    assert with_grpo_training_config(own, args, 2).training_config["mb_spec"] == {
+        "max_tokens_per_mb": 64,
+        "max_rows_per_forward_mb": 2,
+    }
