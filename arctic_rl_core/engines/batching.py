@@ -89,13 +89,6 @@ def contiguous_split(weights: list[int], parts: int) -> list[tuple[int, int]]:
     return list(zip(cuts[:-1], cuts[1:]))
 
 
-def _row_capped_split(rows: int, max_rows: int) -> list[tuple[int, int]]:
-    """``rows`` consecutive rows in the fewest ranges of at most ``max_rows``, their sizes differing by one at most."""
-    parts = max(1, -(-rows // max_rows))
-    cuts = [rows * k // parts for k in range(parts + 1)]
-    return list(zip(cuts[:-1], cuts[1:]))
-
-
 def micro_batches(
     batch: RowBatch, max_tokens: int | None, min_count: int = 1, max_rows: int | None = None
 ) -> list[RowBatch]:
@@ -126,7 +119,9 @@ def micro_batch_rows(
             longest = longest_with_row
         ranges.append((start, batch.rows))
     if max_rows is not None:
-        ranges = [(a + lo, a + hi) for a, b in ranges for lo, hi in _row_capped_split(b - a, max_rows)]
+        # A range over the row bound becomes the fewest near-equal ranges within it.
+        parts = [(a, b, -(-(b - a) // max_rows) or 1) for a, b in ranges]
+        ranges = [(a + lo, a + hi) for a, b, n in parts for lo, hi in contiguous_split([1] * (b - a), n)]
     while len(ranges) < count:
         index = max((i for i, (a, b) in enumerate(ranges) if b - a > 1), key=lambda i: sum(lengths[slice(*ranges[i])]))
         a, b = ranges[index]
