@@ -35,10 +35,14 @@ def config(name: str, *overrides: str):
         return compose(name, overrides=[*PATHS, *overrides])
 
 
-def validated_actor(name: str, *overrides: str) -> ArcticActorConfig:
+def validated_config(name: str, *overrides: str):
     cfg = config(name, *overrides)
     validate_config(cfg, use_reference_policy=need_reference_policy(cfg), use_critic=need_critic(cfg))
-    return omega_conf_to_dataclass(cfg.actor_rollout_ref.actor)
+    return cfg
+
+
+def validated_actor(name: str, *overrides: str) -> ArcticActorConfig:
+    return omega_conf_to_dataclass(validated_config(name, *overrides).actor_rollout_ref.actor)
 
 
 def test_cpu_recipe_maps_verl_settings_onto_the_grpo_processor():
@@ -66,8 +70,7 @@ def test_gpu_recipe_validates_with_four_optimizer_steps_per_training_step():
 
 def _engine_as_verls_worker_fills_it(*overrides: str) -> ArcticEngineConfig:
     """The engine config after verl's ActorRolloutRefWorker copied the actor's and rollout's sizes into it."""
-    cfg = config("arctic_gsm8k_cpu", *overrides)
-    validate_config(cfg, use_reference_policy=need_reference_policy(cfg), use_critic=need_critic(cfg))
+    cfg = validated_config("arctic_gsm8k_cpu", *overrides)
     actor, rollout = omega_conf_to_dataclass(cfg.actor_rollout_ref.actor), cfg.actor_rollout_ref.rollout
     engine = actor.engine
     engine.use_dynamic_bsz = actor.use_dynamic_bsz
