@@ -44,6 +44,7 @@ _SAMPLING_KEYS = {
     "enforce_eager": "enforce_eager",
     "tensor_parallel_size": "tensor_parallel_size",
     "dtype": "dtype",
+    "logprobs_mode": "logprobs_mode",
 }
 
 
@@ -282,5 +283,5 @@ def sampling_options(config: ArcticRLClientConfig, device: str) -> SamplingEngin
         known["dtype"] = training_dtype if device == "cuda" else "float32"
     try:
         return SamplingEngineOptions(device=device, seed=config.seed, use_fca=bool(use_fca), extra=vllm, **known)
-    except ValueError as exc:
-        raise BadRequest(f"vllm_config: {exc}") from None
+    except ValidationError as exc:
+        raise BadRequest(validation_message(exc, "vllm_config")) from None

@@ -170,7 +170,8 @@ def test_load_weights_from_device_tensors_then_weight_norm_matches(models):
     assert out.token_ids == ids[0, len(PROMPTS[0]) :].tolist()
 
 
-def test_sampling_kernel_matches_the_torch_sampler():
+@pytest.mark.parametrize("processed", [False, True])
+def test_sampling_kernel_matches_the_torch_sampler(processed):
     from arctic_rl_core.engines.sampling.native import ops
 
     g = torch.Generator().manual_seed(0)
@@ -178,9 +179,10 @@ def test_sampling_kernel_matches_the_torch_sampler():
     temperature = torch.rand(16, generator=g) + 0.3
     temperature[:4] = 0
     floor = torch.full((16,), float("-inf"))
+    floor[8:] = logits[8:].max(dim=-1).values - 2.0  # a top-k/top-p floor: a few tokens per row stay
     keys = torch.randint(0, 2**32, (16,), generator=g)
     banned = torch.full((16, 1), -1, dtype=torch.int32)
-    cpu = ops.sample_tokens(logits, temperature, floor, keys, banned)
-    gpu = ops.sample_tokens(*(t.cuda() for t in (logits, temperature, floor, keys, banned)))
+    cpu = ops.sample_tokens(logits, temperature, floor, keys, banned, processed)
+    gpu = ops.sample_tokens(*(t.cuda() for t in (logits, temperature, floor, keys, banned)), processed)
     assert gpu[0].cpu().tolist() == cpu[0].tolist()
     torch.testing.assert_close(gpu[1].cpu(), cpu[1], atol=1e-4, rtol=0)

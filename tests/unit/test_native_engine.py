@@ -7,10 +7,15 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from arctic_rl_core import ArcticRLClientConfig
 from arctic_rl_core.engines.sampling.native import NativeEngine
+from arctic_rl_core.engines.sampling.native.config import EngineConfig
 from arctic_rl_core.engines.sampling.protocol import SamplingEngineOptions, SamplingParams
+from arctic_rl_core.errors import BadRequest
 from arctic_rl_core.models.tiny import TinySpec, build_tiny_model
+from arctic_rl_core.server.manager import sampling_options
 from arctic_rl_core.zorro.attention.forest import build_forest
+from tests.sampling_reference import processed_logprobs
 
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21], [100, 200, 300], [7] * 40]
 
@@ -75,6 +80,35 @@ def test_top_k_one_and_a_tiny_top_p_both_sample_the_greedy_tokens(models):
             torch.tensor([o[0].logprobs for o in sampled]), torch.tensor([o[0].logprobs for o in greedy]),
             atol=1e-5, rtol=0,
         )  # fmt: skip
+
+
+def test_processed_logprobs_mode_scores_the_filtered_distribution_and_keeps_the_tokens(models):
+    params = SamplingParams(n=2, max_tokens=8, temperature=0.7, top_k=20, top_p=0.8, seed=3, ignore_eos=True)
+    raw = _engine(models["qwen2"]).generate(PROMPTS, params)
+    processed = _engine(models["qwen2"], logprobs_mode="processed_logprobs").generate(PROMPTS, params)
+    hf = AutoModelForCausalLM.from_pretrained(models["qwen2"], dtype=torch.float32)
+    for prompt, raw_request, request in zip(PROMPTS, raw, processed, strict=True):
+        for raw_completion, completion in zip(raw_request, request, strict=True):
+            assert completion.token_ids == raw_completion.token_ids  # the mode changes what is reported only
+            ids = torch.tensor([prompt + completion.token_ids])
+            with torch.no_grad():
+                logits = hf(ids[:, :-1]).logits[0, len(prompt) - 1 :].float()
+            expected = processed_logprobs(logits, completion.token_ids, 0.7, 20, 0.8)
+            torch.testing.assert_close(torch.tensor(completion.logprobs), torch.tensor(expected), atol=1e-4, rtol=0)
+            assert not torch.allclose(torch.tensor(completion.logprobs), torch.tensor(raw_completion.logprobs))
+
+
+def test_vllm_config_logprobs_mode_reaches_the_engine_and_logit_modes_are_refused_by_name(models):
+    def engine_config(vllm_config):
+        config = ArcticRLClientConfig(model_name=str(models["qwen2"]), training_gpus=1, vllm_config=vllm_config)
+        return EngineConfig.from_options(str(models["qwen2"]), sampling_options(config, "cpu"))
+
+    assert engine_config(None).logprobs_mode == "raw_logprobs"
+    assert engine_config({"logprobs_mode": "processed_logprobs"}).logprobs_mode == "processed_logprobs"
+    with pytest.raises(
+        BadRequest, match=r"vllm_config.logprobs_mode: Input should be 'raw_logprobs' or 'processed_logprobs'"
+    ):
+        engine_config({"logprobs_mode": "processed_logits"})
 
 
 @pytest.mark.parametrize("temperature", [1e-6, 1e-30, 1e-40, 1e-45])

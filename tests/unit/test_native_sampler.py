@@ -1,4 +1,4 @@
-"""Sampling on raw logits: top-k / top-p floors, seeded Gumbel noise, raw log-probs."""
+"""Sampling on raw logits: top-k / top-p floors, seeded Gumbel noise, raw and processed log-probs."""
 
 import torch
 
@@ -34,6 +34,26 @@ def test_samples_stay_inside_the_floor_and_follow_the_softmax():
     assert abs(share - 0.8808) < 0.03
     raw = torch.log_softmax(logits[0], -1)
     assert torch.allclose(logprobs[tokens == 0], raw[0]) and torch.allclose(logprobs[tokens == 2], raw[2])
+
+
+def test_processed_logprobs_score_the_distribution_the_token_was_drawn_from():
+    """vLLM's processed_logprobs: logits / temperature renormalised over what the floor and bans leave;
+    a greedy row's logits are not scaled."""
+    logits = torch.tensor([[2.0, 1.0, 0.0, -9.0], [2.0, 1.0, 0.0, -9.0], [0.5, 3.0, 1.0, 2.0]])
+    temperature = torch.tensor([0.5, 2.0, 0.0])
+    floor = torch.tensor([0.0, float("-inf"), float("-inf")])
+    banned = torch.tensor([[1], [-1], [1]], dtype=torch.int32)
+    keys = torch.tensor([row_key(noise_key(s), 0) for s in range(3)])
+    tokens, raw = ops.sample_tokens(logits, temperature, floor, keys, banned)
+    same_tokens, processed = ops.sample_tokens(logits, temperature, floor, keys, banned, processed=True)
+    assert torch.equal(tokens, same_tokens)
+    allowed = torch.tensor([[1, 0, 1, 0], [1, 1, 1, 1], [1, 0, 1, 1]], dtype=torch.bool)
+    scale = torch.tensor([2.0, 0.5, 1.0])[:, None]
+    expected = torch.log_softmax((logits * scale).masked_fill(~allowed, float("-inf")), -1)
+    rows = torch.arange(3)
+    torch.testing.assert_close(processed, expected[rows, tokens])
+    torch.testing.assert_close(raw, torch.log_softmax(logits, -1)[rows, tokens])
+    assert tokens[2] == 3  # greedy: the best token left once token 1 is banned
 
 
 def test_noise_is_a_function_of_key_and_step_only():

@@ -53,19 +53,21 @@ def check_silu_and_mul_matches_torch():
     torch.testing.assert_close(kernels.silu_and_mul(gate_up), ops.silu_and_mul(gate_up))
 
 
-def check_sampling_kernel_picks_the_same_tokens_and_logprobs_as_torch():
+def check_sampling_kernel_picks_the_same_tokens_and_logprobs_as_torch(processed):
     kernels = _kernels()
     g = torch.Generator().manual_seed(3)
     logits = torch.randn(4, 5000, generator=g) * 3
     temperature = torch.tensor([0.0, 1.0, 0.7, 1.3])
-    min_logit = torch.tensor([float("-inf"), float("-inf"), 1.0, float("-inf")])
+    # Row 2's floor leaves a few tokens of the first 4096-entry slice and none of the second.
+    min_logit = torch.tensor([float("-inf"), float("-inf"), logits[2, :4096].max().item() - 1.0, float("-inf")])
     keys = torch.tensor([1, 2, 3, 2**31 + 5])
     banned = torch.tensor([[-1, -1], [5, int(logits[1].argmax())], [-1, -1], [-1, -1]], dtype=torch.int32)
-    expected = ops.sample_tokens(logits, temperature, min_logit, keys, banned)
-    actual = kernels.sample_tokens(logits, temperature, min_logit, keys, banned)
+    expected = ops.sample_tokens(logits, temperature, min_logit, keys, banned, processed)
+    actual = kernels.sample_tokens(logits, temperature, min_logit, keys, banned, processed)
     assert actual[0].tolist() == expected[0].tolist()
     torch.testing.assert_close(actual[1], expected[1])
     assert actual[0][0] == logits[0].argmax()
+    assert torch.isfinite(actual[1]).all()
 
 
 CHECKS = {
@@ -73,7 +75,8 @@ CHECKS = {
     "rotary_store": (check_rotary_and_cache_write_match_torch_and_skip_padding_slots, (False,)),
     "rotary_store_qk_norm": (check_rotary_and_cache_write_match_torch_and_skip_padding_slots, (True,)),
     "silu_and_mul": (check_silu_and_mul_matches_torch, ()),
-    "sampling": (check_sampling_kernel_picks_the_same_tokens_and_logprobs_as_torch, ()),
+    "sampling": (check_sampling_kernel_picks_the_same_tokens_and_logprobs_as_torch, (False,)),
+    "sampling_processed": (check_sampling_kernel_picks_the_same_tokens_and_logprobs_as_torch, (True,)),
 }
 
 

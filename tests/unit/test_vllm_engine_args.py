@@ -43,10 +43,13 @@ def test_alias_and_vllm_name_together_are_rejected():
         kwargs(extra={"max_seq_len": 1024, "max_model_len": 2048})
 
 
-def test_log_probs_are_raw_and_cannot_be_switched_to_processed():
+def test_log_probs_are_raw_unless_the_option_asks_for_processed_ones():
     assert kwargs()["logprobs_mode"] == "raw_logprobs"
+    assert kwargs(logprobs_mode="processed_logprobs")["logprobs_mode"] == "processed_logprobs"
     with pytest.raises(ValueError, match="logprobs_mode"):
-        kwargs(extra={"logprobs_mode": "processed_logprobs"})
+        SamplingEngineOptions(logprobs_mode="raw_logits")  # logits are not log-probs
+    with pytest.raises(ValueError, match="logprobs_mode"):
+        kwargs(extra={"logprobs_mode": "processed_logits"})
 
 
 def test_block_size_reaches_vllm_only_when_set():

@@ -14,6 +14,11 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 FinishReason = Literal["stop", "length", "abort"]
+# What ``Completion.logprobs`` score, in vLLM's names (its ``logprobs_mode``):
+# "raw_logprobs", log-softmax of the model's logits, what the training engine computes at temperature 1;
+# "processed_logprobs", log-softmax of the distribution the token was drawn from: logits / temperature over
+# the tokens top-k, top-p and min_tokens leave (greedy rows: the logits over those min_tokens leaves).
+LogprobsMode = Literal["raw_logprobs", "processed_logprobs"]
 # Below this temperature sampling is greedy, as vLLM's _SAMPLING_EPS: 1 / temperature would overflow float32.
 GREEDY_TEMPERATURE = 1e-5
 
@@ -107,8 +112,8 @@ class Completion:
     token_ids: list[int]
     text: str
     finish_reason: FinishReason
-    # log p(token_i | prompt, tokens_<i) under the sampling distribution's model
-    # logits (before temperature/top-p/top-k), one per token in ``token_ids``.
+    # log p(token_i | prompt, tokens_<i), one per token in ``token_ids``: under the model's logits, or under
+    # the processed sampling distribution when the engine's ``logprobs_mode`` is "processed_logprobs".
     logprobs: list[float] = field(default_factory=list)
     stop_reason: str | int | None = None
 
@@ -142,6 +147,9 @@ class SamplingEngineOptions(BaseModel):
     enforce_eager: bool = False
     use_fca: bool = Field(True, description="Forest Cascade Attention for decode batches that share prefixes.")
     tensor_parallel_size: int = Field(1, ge=1)
+    logprobs_mode: LogprobsMode = Field(
+        "raw_logprobs", description="What Completion.logprobs score: the model's logits or the processed distribution."
+    )
     extra: dict = Field(default_factory=dict, description="Backend-specific keys, passed through.")
 
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 
 from arctic_rl_core.engines.sampling.native.model import ModelSpec
-from arctic_rl_core.engines.sampling.protocol import SamplingEngineOptions
+from arctic_rl_core.engines.sampling.protocol import LogprobsMode, SamplingEngineOptions
 
 # Keys of ``options.extra`` the native engine understands; any other is rejected by name.
 EXTRA_KEYS = {
@@ -38,6 +38,7 @@ class EngineConfig:
     use_fca: bool
     eos_token_ids: frozenset[int]
     async_scheduling: bool = True
+    logprobs_mode: LogprobsMode = "raw_logprobs"
 
     @property
     def max_blocks_per_seq(self) -> int:
@@ -100,6 +101,7 @@ class EngineConfig:
             use_fca=use_fca,
             eos_token_ids=frozenset(eos_token_ids(model_path, hf_config)),
             async_scheduling=async_scheduling,
+            logprobs_mode=options.logprobs_mode,
         )
 
 

@@ -130,7 +130,7 @@ class ModelRunner:
         self.block_size = config.block_size
         self.model = CausalLM(spec, config.hf_config, config.max_model_len, config.dtype, self.device)
         load_checkpoint(self.model, config.model_path, self.device)
-        self.sampler = Sampler(config.eos_token_ids, self.device)
+        self.sampler = Sampler(config.eos_token_ids, self.device, config.logprobs_mode == "processed_logprobs")
         self.tiles = TileShape(group=spec.num_heads // spec.num_kv_heads)
         self.kv_cache: torch.Tensor | None = None
         self.graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}

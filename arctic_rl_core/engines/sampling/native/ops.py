@@ -158,8 +158,10 @@ def sample_tokens(
     min_logit: torch.Tensor,
     row_keys: torch.Tensor,
     banned: torch.Tensor,
+    processed: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One token per row and its log-prob under the raw logits.
+    """One token per row and its log-prob: under the raw logits, or with ``processed`` under the distribution
+    it was drawn from (``logits / temperature`` renormalised over the allowed tokens; greedy rows at 1).
 
     Rows with temperature 0 take the argmax; others take the Gumbel-max of
     ``logits / temperature`` (an exact sample of the softmax). Tokens whose raw
@@ -169,9 +171,8 @@ def sample_tokens(
     if logits.is_cuda:
         from arctic_rl_core.engines.sampling.native import triton_ops
 
-        return triton_ops.sample_tokens(logits, temperature, min_logit, row_keys, banned)
+        return triton_ops.sample_tokens(logits, temperature, min_logit, row_keys, banned, processed)
     logits = logits.float()
-    lse = torch.logsumexp(logits, dim=-1)
     allowed = logits >= min_logit[:, None]
     rows, slots = (banned >= 0).nonzero(as_tuple=True)
     allowed[rows, banned[rows, slots].long()] = False
@@ -180,4 +181,5 @@ def sample_tokens(
     scaled = logits * torch.where(greedy, 1.0, 1.0 / temperature)[:, None]
     scores = torch.where(greedy[:, None], scaled, scaled + gumbel_noise(row_keys, logits.shape[1]))
     tokens = scores.masked_fill(~allowed, float("-inf")).argmax(dim=-1)
-    return tokens, logits.gather(1, tokens[:, None])[:, 0] - lse
+    scored = scaled.masked_fill(~allowed, float("-inf")) if processed else logits
+    return tokens, scored.gather(1, tokens[:, None])[:, 0] - torch.logsumexp(scored, dim=-1)

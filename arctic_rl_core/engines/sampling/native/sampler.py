@@ -4,8 +4,9 @@ Sampling is the Gumbel-max trick over ``logits / temperature`` with noise that
 is a pure function of the sequence's seed, its step and the token index, so a
 seeded completion is the same whatever else shares the batch. Top-k and top-p
 become one floor on the raw logits per row. Log-probs are those of the raw
-logits (before temperature, top-k and top-p): what the training engine computes
-at temperature 1.
+logits (before temperature, top-k and top-p), what the training engine computes
+at temperature 1; or, in the engine's "processed_logprobs" mode, those of the
+distribution each token was drawn from, as vLLM's mode of that name.
 """
 
 from __future__ import annotations
@@ -82,9 +83,10 @@ class SampledTokens:
 
 
 class Sampler:
-    def __init__(self, eos_token_ids: frozenset[int], device: torch.device):
+    def __init__(self, eos_token_ids: frozenset[int], device: torch.device, processed_logprobs: bool = False):
         self.eos_token_ids = sorted(eos_token_ids)
         self.device = device
+        self.processed_logprobs = processed_logprobs
         # Per-batch constants (temperatures, top-k/top-p rows) are rebuilt only when the batch changes.
         self._batch_key: tuple[int, ...] = ()
         self._temperature: torch.Tensor | None = None
@@ -103,7 +105,8 @@ class Sampler:
         if self._filtered is not None:
             index, top_k, top_p = self._filtered
             floor[index] = min_logits(logits[index], temperature[index], top_k, top_p)
-        return SampledTokens.copy_to_host(*ops.sample_tokens(logits, temperature, floor, keys, banned))
+        sampled = ops.sample_tokens(logits, temperature, floor, keys, banned, self.processed_logprobs)
+        return SampledTokens.copy_to_host(*sampled)
 
     def _prepare_batch(self, key: tuple[int, ...], seqs: list[Sequence]) -> None:
         params = [s.params for s in seqs]

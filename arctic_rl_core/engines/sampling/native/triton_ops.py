@@ -151,18 +151,25 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
+def _inverse_temperature(temperature):
+    """1 / temperature, and 1 for greedy rows (temperature 0), whose logits are not scaled."""
+    greedy = temperature == 0.0
+    return tl.where(greedy, 1.0, 1.0 / tl.where(greedy, 1.0, temperature))
+
+
+@triton.jit
 def _sample_split_kernel(
     LOGITS, TEMPERATURE, MIN_LOGIT, ROW_KEYS, BANNED, PART_MAX, PART_SUM, PART_BEST, PART_INDEX,
     stride_l, stride_b, vocab, num_splits,
-    NUM_BANNED: tl.constexpr, SPLIT: tl.constexpr, BLOCK: tl.constexpr,
+    NUM_BANNED: tl.constexpr, SPLIT: tl.constexpr, BLOCK: tl.constexpr, PROCESSED: tl.constexpr,
 ):  # fmt: skip
-    """One slice of one row's vocabulary: its logit max and exp-sum (for the log-prob) and its best Gumbel score."""
+    """One slice of one row's vocabulary: the max and exp-sum of what the log-prob scores (the raw logits, or
+    with ``PROCESSED`` the allowed tokens' scaled logits) and its best Gumbel score."""
     row = tl.program_id(0).to(tl.int64)
     split = tl.program_id(1)
     temperature = tl.load(TEMPERATURE + row)
-    greedy = temperature == 0.0
-    inv_t = tl.where(greedy, 1.0, 1.0 / tl.where(greedy, 1.0, temperature))
-    noise_scale = tl.where(greedy, 0.0, 1.0)
+    inv_t = _inverse_temperature(temperature)
+    noise_scale = tl.where(temperature == 0.0, 0.0, 1.0)
     floor = tl.load(MIN_LOGIT + row)
     key = tl.load(ROW_KEYS + row).to(tl.uint32)
     run_max = float("-inf")
@@ -173,9 +180,6 @@ def _sample_split_kernel(
         index = v0 + tl.arange(0, BLOCK)
         valid = index < vocab
         x = tl.load(LOGITS + row * stride_l + index, mask=valid, other=float("-inf")).to(tl.float32)
-        new_max = tl.maximum(run_max, tl.max(x, axis=0))
-        run_sum = run_sum * tl.exp(run_max - new_max) + tl.sum(tl.exp(x - new_max), axis=0)
-        run_max = new_max
         # Same hash as ops.gumbel_noise, in native uint32 arithmetic.
         h = key + index.to(tl.uint32) * 0x61C88647
         h = h ^ (h >> 16)
@@ -189,6 +193,15 @@ def _sample_split_kernel(
         for j in tl.static_range(NUM_BANNED):
             allowed = allowed & (index != tl.load(BANNED + row * stride_b + j))
         score = tl.where(allowed, x * inv_t + gumbel * noise_scale, float("-inf"))
+        if PROCESSED:
+            scored = tl.where(allowed, x * inv_t, float("-inf"))
+        else:
+            scored = x
+        new_max = tl.maximum(run_max, tl.max(scored, axis=0))
+        # A slice may allow no token at all: its max stays -inf, and exp(-inf - 0) adds nothing.
+        shift = tl.where(new_max == float("-inf"), 0.0, new_max)
+        run_sum = run_sum * tl.exp(run_max - shift) + tl.sum(tl.exp(scored - shift), axis=0)
+        run_max = new_max
         chunk_best = tl.max(score, axis=0)
         chunk_index = v0 + tl.argmax(score, axis=0)
         take = chunk_best > best
@@ -203,10 +216,10 @@ def _sample_split_kernel(
 
 @triton.jit
 def _sample_combine_kernel(
-    LOGITS, PART_MAX, PART_SUM, PART_BEST, PART_INDEX, TOKENS, LOGPROBS, stride_l, num_splits,
-    SPLITS_PAD: tl.constexpr,
+    LOGITS, TEMPERATURE, PART_MAX, PART_SUM, PART_BEST, PART_INDEX, TOKENS, LOGPROBS, stride_l, num_splits,
+    SPLITS_PAD: tl.constexpr, PROCESSED: tl.constexpr,
 ):  # fmt: skip
-    """A row's token (the best slice's best; the lowest index on ties, as argmax) and its raw log-prob."""
+    """A row's token (the best slice's best; the lowest index on ties, as argmax) and its log-prob."""
     row = tl.program_id(0).to(tl.int64)
     splits = tl.arange(0, SPLITS_PAD)
     valid = splits < num_splits
@@ -219,13 +232,16 @@ def _sample_combine_kernel(
     winner = tl.argmax(best, axis=0)
     token = tl.sum(tl.where(splits == winner, tl.load(PART_INDEX + part, mask=valid, other=0), 0), axis=0)
     tl.store(TOKENS + row, token.to(tl.int64))
-    tl.store(LOGPROBS + row, tl.load(LOGITS + row * stride_l + token).to(tl.float32) - lse)
+    logit = tl.load(LOGITS + row * stride_l + token).to(tl.float32)
+    if PROCESSED:
+        logit = logit * _inverse_temperature(tl.load(TEMPERATURE + row))
+    tl.store(LOGPROBS + row, logit - lse)
 
 
 SAMPLE_SPLIT = 4096  # vocabulary entries per program: a 150k vocabulary spreads over ~40 programs per row
 
 
-def sample_tokens(logits, temperature, min_logit, row_keys, banned):
+def sample_tokens(logits, temperature, min_logit, row_keys, banned, processed=False):
     rows, vocab = logits.shape
     dev = logits.device
     splits = triton.cdiv(vocab, SAMPLE_SPLIT)
@@ -234,12 +250,12 @@ def sample_tokens(logits, temperature, min_logit, row_keys, banned):
     _sample_split_kernel[(rows, splits)](
         logits, temperature, min_logit, row_keys, banned, part_max, part_sum, part_best, part_index,
         logits.stride(0), banned.stride(0), vocab, splits,
-        NUM_BANNED=banned.shape[1], SPLIT=SAMPLE_SPLIT, BLOCK=1024, num_warps=4,
+        NUM_BANNED=banned.shape[1], SPLIT=SAMPLE_SPLIT, BLOCK=1024, PROCESSED=processed, num_warps=4,
     )  # fmt: skip
     tokens = torch.empty(rows, dtype=torch.int64, device=dev)
     logprobs = torch.empty(rows, dtype=torch.float32, device=dev)
     _sample_combine_kernel[(rows,)](
-        logits, part_max, part_sum, part_best, part_index, tokens, logprobs, logits.stride(0), splits,
-        SPLITS_PAD=triton.next_power_of_2(splits), num_warps=1,
+        logits, temperature, part_max, part_sum, part_best, part_index, tokens, logprobs, logits.stride(0), splits,
+        SPLITS_PAD=triton.next_power_of_2(splits), PROCESSED=processed, num_warps=1,
     )  # fmt: skip
     return tokens, logprobs

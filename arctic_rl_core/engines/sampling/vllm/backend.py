@@ -53,8 +53,8 @@ class PromptLogProbs:
 class VLLMBackend:
     """One vLLM engine: one sampling replica, its tensor-parallel ranks inside it.
 
-    Log-probs are vLLM's ``raw_logprobs``: log-softmax of the model's logits
-    before temperature, top-p and top-k, as ``Completion.logprobs`` defines.
+    Log-probs follow ``options.logprobs_mode``, vLLM's own setting of that name:
+    the model's logits (``raw_logprobs``) or the processed sampling distribution.
     """
 
     def __init__(self, model_path: str, options: SamplingEngineOptions) -> None:

@@ -25,12 +25,12 @@ ENGINE_ARG_ALIASES = {"max_seq_len": "max_model_len"}
 # Keys of ``extra`` that configure ArcticInference rather than vLLM itself.
 ARCTIC_KEYS = ("zorro_inference", "spec_model")
 
-# ``Completion.logprobs`` are defined on the model's logits before temperature
-# and top-p/top-k, which is vLLM's "raw_logprobs"; the backend owns this choice.
-FIXED_ENGINE_ARGS = {"logprobs_mode": "raw_logprobs"}
-
-# Set by the caller of the backend, never through vllm_config.
-RESERVED_ENGINE_ARGS = {"model": "the model comes from model_name"}
+# Set by the caller of the backend, never through ``extra``.
+RESERVED_ENGINE_ARGS = {
+    "model": "the model comes from model_name",
+    # vLLM also has logit modes; ``Completion.logprobs`` are log-probs, so the option field checks the value.
+    "logprobs_mode": "it is the option logprobs_mode ('raw_logprobs' or 'processed_logprobs')",
+}
 
 CPU_KV_CACHE_BYTES = 1 << 30
 
@@ -110,8 +110,7 @@ def vllm_engine_kwargs(options: SamplingEngineOptions) -> dict:
     """Validated keyword arguments for ``vllm.LLM(model=..., **kwargs)``.
 
     Fields of ``options`` map to vLLM's names; ``extra`` may add any other
-    engine argument but may not restate a field under another spelling, nor
-    change the arguments this backend fixes (``logprobs_mode``).
+    engine argument but may not restate a field under another spelling.
     ``block_size`` is passed only when set explicitly: vLLM's CPU attention
     wants multiples of 32 and picks a valid default per platform.
     """
@@ -128,6 +127,7 @@ def vllm_engine_kwargs(options: SamplingEngineOptions) -> dict:
         "enable_prefix_caching": options.enable_prefix_caching,
         "enforce_eager": options.enforce_eager,
         "tensor_parallel_size": options.tensor_parallel_size,
+        "logprobs_mode": options.logprobs_mode,
     }
     if options.max_model_len is not None:
         kwargs["max_model_len"] = options.max_model_len
@@ -141,18 +141,12 @@ def vllm_engine_kwargs(options: SamplingEngineOptions) -> dict:
 
     for name, value in extra.items():
         if name in RESERVED_ENGINE_ARGS:
-            raise ValueError(f"vllm_config.{name} cannot be set: {RESERVED_ENGINE_ARGS[name]}")
-        if name in FIXED_ENGINE_ARGS and value != FIXED_ENGINE_ARGS[name]:
-            raise ValueError(
-                f"vllm_config.{name}={value!r} is not supported: the sampling protocol defines log-probs on the "
-                f"model's raw logits ({name}={FIXED_ENGINE_ARGS[name]!r})"
-            )
+            raise ValueError(f"options.extra['{name}'] cannot be set: {RESERVED_ENGINE_ARGS[name]}")
         if name in kwargs and name in options.model_fields_set and kwargs[name] != value:
             raise ValueError(
                 f"vllm_config.{name}={value!r} conflicts with the option {name}={kwargs[name]!r}; set it once"
             )
     kwargs.update(extra)
-    kwargs.update(FIXED_ENGINE_ARGS)
     kwargs.update(_arctic_inference_kwargs(options, kwargs))
 
     unknown = sorted(set(kwargs) - accepted_engine_args())
