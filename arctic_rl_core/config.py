@@ -234,9 +234,10 @@ class MicroBatchSpec(BaseModel):
 
     Each micro-batch holds at most ``max_tokens_per_mb`` tokens (rows x longest row) and at most
     ``max_rows_per_mb`` rows. Forward-only calls (``fwd_no_grad``, reference log-probs) keep the same
-    bounds, except that ``max_rows_per_forward_mb``, when set, replaces the row bound for them (as
-    SkyRL's ``micro_forward_batch_size_per_gpu`` and verl's ``log_prob_micro_batch_size_per_gpu`` do).
-    ``n_mbs`` is for ``fwd_bwd`` only.
+    bounds, except that ``max_tokens_per_forward_mb`` and ``max_rows_per_forward_mb``, when set, replace
+    them for those calls: a forward keeps no activations for a backward, so it can afford larger
+    micro-batches (as verl's ``log_prob_max_token_len_per_gpu`` and ``log_prob_micro_batch_size_per_gpu``,
+    and SkyRL's ``micro_forward_batch_size_per_gpu``). ``n_mbs`` is for ``fwd_bwd`` only.
     """
 
     model_config = ConfigDict(extra="ignore")
@@ -244,7 +245,12 @@ class MicroBatchSpec(BaseModel):
     max_tokens_per_mb: Optional[int] = Field(None, ge=1, description="None: one micro-batch per call.")
     n_mbs: Optional[int] = Field(None, ge=1, description="Minimum number of micro-batches.")
     max_rows_per_mb: Optional[int] = Field(None, ge=1, description="None: no bound on a micro-batch's rows.")
+    max_tokens_per_forward_mb: Optional[int] = Field(None, ge=1, description="None: max_tokens_per_mb.")
     max_rows_per_forward_mb: Optional[int] = Field(None, ge=1, description="None: max_rows_per_mb.")
+
+    @property
+    def forward_max_tokens(self) -> Optional[int]:
+        return self.max_tokens_per_forward_mb or self.max_tokens_per_mb
 
     @property
     def forward_max_rows(self) -> Optional[int]:

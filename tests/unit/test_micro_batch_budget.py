@@ -1,10 +1,15 @@
-"""Micro-batching: the token budget and the minimum count hold together."""
+"""Micro-batching: the token budget and the minimum count hold together; forward-only calls have bounds of their own."""
 
 import itertools
+from types import SimpleNamespace
 
+import pytest
 import torch
+from pydantic import ValidationError
 
+from arctic_rl_core.config import MicroBatchSpec, TrainingConfig
 from arctic_rl_core.engines.batching import RowBatch, micro_batches
+from arctic_rl_core.engines.training.worker import DeepSpeedWorker
 
 
 def _right_padded(lengths: list[int]) -> RowBatch:
@@ -51,8 +56,30 @@ def test_an_empty_batch_has_no_micro_batches():
 
 
 def test_forward_only_calls_take_the_training_row_bound_unless_given_their_own():
-    from arctic_rl_core.config import MicroBatchSpec
-
     assert MicroBatchSpec().forward_max_rows is None
     assert MicroBatchSpec(max_rows_per_mb=3).forward_max_rows == 3
     assert MicroBatchSpec(max_rows_per_mb=3, max_rows_per_forward_mb=8).forward_max_rows == 8
+
+
+def test_forward_only_calls_take_the_training_token_budget_unless_given_their_own():
+    assert MicroBatchSpec().forward_max_tokens is None
+    assert MicroBatchSpec(max_tokens_per_mb=64).forward_max_tokens == 64
+    assert MicroBatchSpec(max_tokens_per_mb=64, max_tokens_per_forward_mb=256).forward_max_tokens == 256
+    assert MicroBatchSpec(max_tokens_per_forward_mb=256).max_tokens_per_mb is None  # training stays unbounded
+    with pytest.raises(ValidationError, match="max_tokens_per_forward_mb"):
+        MicroBatchSpec(max_tokens_per_forward_mb=0)
+
+
+def _forward_pass_shapes(mb_spec: MicroBatchSpec, batch: RowBatch) -> list[list[int]]:
+    """The shapes of the passes a single-rank worker without ZeRO-3 runs for a forward-only call."""
+    rank = SimpleNamespace(spec=SimpleNamespace(training=TrainingConfig(mb_spec=mb_spec)), _zero_stage=0, device="cpu")
+    return [list(part.input_ids.shape) for _, part, _ in DeepSpeedWorker._forward_passes(rank, batch)]
+
+
+def test_forward_passes_fill_the_forward_token_budget_not_the_training_one():
+    batch = _right_padded([6] * 7)
+    assert _forward_pass_shapes(MicroBatchSpec(max_tokens_per_mb=12), batch) == [[2, 6]] * 3 + [[1, 6]]
+    forward_budget = MicroBatchSpec(max_tokens_per_mb=12, max_tokens_per_forward_mb=30)
+    assert _forward_pass_shapes(forward_budget, batch) == [[5, 6], [2, 6]]
+    rows_too = MicroBatchSpec(max_tokens_per_mb=12, max_tokens_per_forward_mb=30, max_rows_per_forward_mb=4)
+    assert _forward_pass_shapes(rows_too, batch) == [[3, 6], [2, 6], [2, 6]]

@@ -50,7 +50,12 @@ def _rank(rank: int, port: int, model: str, results) -> None:
         shapes.clear()
         by_rows = worker.fwd_no_grad(RowBatch(mine, mask), [], True)
         results.put((rank, "fwd_no_grad by rows", (list(shapes), by_rows["log_probs_shifted"])))
-        worker.spec.training.mb_spec = budget
+        # A forward token budget of 18 (3 rows of 6): rank 0 runs passes of 3 and 1 rows, rank 1 one pass and a
+        # join. It stays in place for fwd_bwd, which keeps the training budget of 8.
+        worker.spec.training.mb_spec = budget.model_copy(update={"max_tokens_per_forward_mb": 18})
+        shapes.clear()
+        by_forward_budget = worker.fwd_no_grad(RowBatch(mine, mask), [], True)
+        results.put((rank, "fwd_no_grad by forward budget", (list(shapes), by_forward_budget["log_probs_shifted"])))
         worker._outputs = forward
         call = LossCall("sft", {}, [], global_tokens=ROWS * (WIDTH - 1), global_seqs=ROWS, horizon=WIDTH)
         trained = worker.fwd_bwd(RowBatch(mine, mask, loss_mask, {}), call)
@@ -68,7 +73,7 @@ def _rank(rank: int, port: int, model: str, results) -> None:
 
 @pytest.fixture(scope="module")
 def outcomes(tiny_model) -> dict:
-    return run_ranks(_rank, (tiny_model,), reports=12, deadline_s=DEADLINE_S)
+    return run_ranks(_rank, (tiny_model,), reports=14, deadline_s=DEADLINE_S)
 
 
 def _reference_grad_norm(model_path: str) -> float:
@@ -82,6 +87,7 @@ def _reference_grad_norm(model_path: str) -> float:
 
 
 def test_zero3_fwd_bwd_with_uneven_micro_batches_finishes_with_the_whole_batch_gradient(outcomes, tiny_model):
+    # The training budget of 8 tokens, one row per micro-batch, though the forward budget is 18.
     assert outcomes.get((0, "fwd_bwd")) == 4 and outcomes.get((1, "fwd_bwd")) == 1, outcomes
     grad_norm = outcomes[(0, "step")]["grad_norm"]
     assert grad_norm == pytest.approx(_reference_grad_norm(tiny_model), rel=1e-4)
@@ -103,6 +109,9 @@ def test_zero3_fwd_no_grad_in_uneven_micro_batches_finishes_with_the_whole_batch
     (rows0, by_rows0), (rows1, by_rows1) = (outcomes[(r, "fwd_no_grad by rows")] for r in (0, 1))
     assert rows0 == [[2, WIDTH]] * 2 and rows1 == [[1, WIDTH]]  # max_rows_per_forward_mb=2
     torch.testing.assert_close(torch.cat([by_rows0, by_rows1]), got, rtol=0, atol=1e-6)
+    (passes0, by_budget0), (passes1, by_budget1) = (outcomes[(r, "fwd_no_grad by forward budget")] for r in (0, 1))
+    assert passes0 == [[3, WIDTH], [1, WIDTH]] and passes1 == [[1, WIDTH]]  # max_tokens_per_forward_mb=18
+    torch.testing.assert_close(torch.cat([by_budget0, by_budget1]), got, rtol=0, atol=1e-6)
 
 
 def test_zero3_fwd_no_grad_with_fewer_rows_than_ranks_finishes(outcomes):

@@ -290,14 +290,14 @@ class DeepSpeedWorker:
             self._dummy_loss()
 
     def _forward_passes(self, batch: RowBatch) -> Iterator[tuple[tuple[slice, slice], RowBatch, torch.Tensor] | None]:
-        """A forward-only call in micro-batches within ``mb_spec``'s bounds: (rows, columns), part, select.
+        """A forward-only call in micro-batches within ``mb_spec``'s forward bounds: (rows, columns), part, select.
 
-        Its activations and LM-head outputs then take no more memory than a training micro-batch's.
+        Its activations and LM-head outputs then take no more memory than those bounds allow.
         Under ZeRO-3 every pass gathers the parameters, so each rank runs as many passes as the
         busiest one: ``None`` marks a pass with no rows of this rank's, which joins the gathers.
         """
         mb_spec = self.spec.training.mb_spec
-        ranges = micro_batch_rows(batch, mb_spec.max_tokens_per_mb, max_rows=mb_spec.forward_max_rows)
+        ranges = micro_batch_rows(batch, mb_spec.forward_max_tokens, max_rows=mb_spec.forward_max_rows)
         passes = self._most_over_ranks(len(ranges)) if self._zero_stage == 3 else len(ranges)
         for index in range(passes):
             if index >= len(ranges):
