@@ -418,15 +418,20 @@ def resolve_device(requested: str) -> str:
 def micro_batch_spec(arctic) -> dict:
     """verl's micro-batch sizes as arctic's ``mb_spec``: memory only, the loss does not depend on them.
 
-    verl's worker fills the engine config from the actor and rollout sections: under
-    ``use_dynamic_bsz`` a token budget (``ppo_max_token_len_per_gpu``), else rows per GPU for
-    training (``ppo_micro_batch_size_per_gpu``) and for log-probs (``log_prob_micro_batch_size_per_gpu``).
-    ``micro_batch_max_tokens``, when set, replaces them.
+    verl's worker fills the actor's engine config from the actor and rollout sections: under
+    ``use_dynamic_bsz`` token budgets per GPU for training (``ppo_max_token_len_per_gpu``) and for
+    log-probs (``rollout.log_prob_max_token_len_per_gpu``), else rows per GPU for training
+    (``ppo_micro_batch_size_per_gpu``) and for log-probs (``rollout.log_prob_micro_batch_size_per_gpu``).
+    The actor's config starts the deployment, so its log-prob bound serves the reference log-probs too.
+    ``micro_batch_max_tokens``, when set, replaces them all.
     """
     if arctic.micro_batch_max_tokens is not None:
         return {"max_tokens_per_mb": arctic.micro_batch_max_tokens}
     if arctic.use_dynamic_bsz:
-        return {"max_tokens_per_mb": arctic.max_token_len_per_gpu}
+        spec = {"max_tokens_per_mb": arctic.max_token_len_per_gpu}
+        if arctic.infer_max_token_len_per_gpu is not None:
+            spec["max_tokens_per_forward_mb"] = arctic.infer_max_token_len_per_gpu
+        return spec
     return {
         "max_rows_per_mb": arctic.micro_batch_size_per_gpu,
         "max_rows_per_forward_mb": arctic.infer_micro_batch_size_per_gpu,

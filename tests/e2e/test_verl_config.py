@@ -69,9 +69,17 @@ def test_gpu_recipe_validates_with_four_optimizer_steps_per_training_step():
 
 
 def _engine_as_verls_worker_fills_it(*overrides: str) -> ArcticEngineConfig:
-    """The engine config after verl's ActorRolloutRefWorker copied the actor's and rollout's sizes into it."""
+    """The actor's engine config after verl's ActorRolloutRefWorker copied the actor's and rollout's sizes into it.
+
+    As ``verl.workers.engine_workers.ActorRolloutRefWorker.init_model`` does, refusals included.
+    """
     cfg = validated_config("arctic_gsm8k_cpu", *overrides)
     actor, rollout = omega_conf_to_dataclass(cfg.actor_rollout_ref.actor), cfg.actor_rollout_ref.rollout
+    assert actor.use_dynamic_bsz == rollout.log_prob_use_dynamic_bsz
+    if actor.use_dynamic_bsz:
+        assert rollout.log_prob_max_token_len_per_gpu is not None and actor.ppo_max_token_len_per_gpu is not None
+    else:
+        assert rollout.log_prob_micro_batch_size_per_gpu is not None and actor.ppo_micro_batch_size_per_gpu is not None
     engine = actor.engine
     engine.use_dynamic_bsz = actor.use_dynamic_bsz
     engine.max_token_len_per_gpu = actor.ppo_max_token_len_per_gpu
@@ -84,15 +92,31 @@ def _engine_as_verls_worker_fills_it(*overrides: str) -> ArcticEngineConfig:
 def test_micro_batches_follow_verls_sizes_per_rank():
     sizes = ["actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=3", "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=5"]  # fmt: skip
     assert micro_batch_spec(_engine_as_verls_worker_fills_it(*sizes)) == {"max_rows_per_mb": 3, "max_rows_per_forward_mb": 5}  # fmt: skip
-    dynamic = [
-        "actor_rollout_ref.actor.use_dynamic_bsz=true",
-        "actor_rollout_ref.rollout.log_prob_use_dynamic_bsz=true",
-        "actor_rollout_ref.ref.log_prob_use_dynamic_bsz=true",
-        "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=4096",
-    ]
-    assert micro_batch_spec(_engine_as_verls_worker_fills_it(*dynamic)) == {"max_tokens_per_mb": 4096}
     budget = "actor_rollout_ref.actor.arctic.micro_batch_max_tokens=999"
     assert micro_batch_spec(_engine_as_verls_worker_fills_it(*sizes, budget)) == {"max_tokens_per_mb": 999}
+
+
+DYNAMIC = [
+    "actor_rollout_ref.actor.use_dynamic_bsz=true",
+    "actor_rollout_ref.rollout.log_prob_use_dynamic_bsz=true",
+    "actor_rollout_ref.ref.log_prob_use_dynamic_bsz=true",
+    "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=4096",
+]
+
+
+def test_dynamic_bsz_gives_training_and_log_prob_forwards_verls_token_budgets_per_rank():
+    # verl's rollout.log_prob_max_token_len_per_gpu defaults to the actor's ppo_max_token_len_per_gpu.
+    assert micro_batch_spec(_engine_as_verls_worker_fills_it(*DYNAMIC)) == {"max_tokens_per_mb": 4096, "max_tokens_per_forward_mb": 4096}  # fmt: skip
+    forward = "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu=16384"
+    assert micro_batch_spec(_engine_as_verls_worker_fills_it(*DYNAMIC, forward)) == {"max_tokens_per_mb": 4096, "max_tokens_per_forward_mb": 16384}  # fmt: skip
+    budget = "actor_rollout_ref.actor.arctic.micro_batch_max_tokens=999"
+    assert micro_batch_spec(_engine_as_verls_worker_fills_it(*DYNAMIC, forward, budget)) == {"max_tokens_per_mb": 999}
+
+
+def test_an_engine_config_without_a_log_prob_token_budget_leaves_forwards_the_training_one():
+    engine = ArcticEngineConfig(use_dynamic_bsz=True, max_token_len_per_gpu=4096)
+    assert engine.infer_max_token_len_per_gpu is None
+    assert micro_batch_spec(engine) == {"max_tokens_per_mb": 4096}
 
 
 def test_verl_clip_higher_and_token_tis_become_clip_bounds_and_a_behaviour_weight_cap():
