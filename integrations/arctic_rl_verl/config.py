@@ -61,6 +61,7 @@ class ArcticEngineConfig(EngineConfig):
     Filled from verl's actor settings by :class:`ArcticActorConfig`:
         loss_config: the ``grpo`` processor config (see ``mapping.policy_loss``).
         decoupled_ppo: feed verl's rollout log-probs as the behaviour policy (TIS).
+        logprobs_mode: what the sampler's log-probs score, verl's ``rollout.logprobs_mode``.
         optimizer_steps_per_training_step: scales verl's LR horizon to arctic's optimizer steps.
     """
 
@@ -89,6 +90,7 @@ class ArcticEngineConfig(EngineConfig):
     server_logs: bool = True
     loss_config: dict = field(default_factory=dict)
     decoupled_ppo: bool = False
+    logprobs_mode: str = "processed_logprobs"
     optimizer_steps_per_training_step: int = 1
 
     def __post_init__(self):
@@ -135,6 +137,7 @@ class ArcticActorConfig(ActorConfig):
         optimizer_settings(self.optim, steps)
         object.__setattr__(self.arctic, "loss_config", loss.config)
         object.__setattr__(self.arctic, "decoupled_ppo", loss.decoupled)
+        object.__setattr__(self.arctic, "logprobs_mode", self.verl_settings["rollout_logprobs_mode"])
         object.__setattr__(self.arctic, "optimizer_steps_per_training_step", steps)
 
 

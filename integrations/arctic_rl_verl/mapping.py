@@ -39,9 +39,10 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, get_args
 
 from arctic_rl_core import ArcticRLClientConfig
+from arctic_rl_core.engines.sampling.protocol import LogprobsMode
 from arctic_rl_core.processors import ClippedPolicyConfig
 
 # verl_settings key -> where verl keeps it (the names errors use).
@@ -60,8 +61,7 @@ VERL_PATHS = {
     "rollout_data_parallel_size": "actor_rollout_ref.rollout.data_parallel_size",
     "rollout_pipeline_model_parallel_size": "actor_rollout_ref.rollout.pipeline_model_parallel_size",
     "rollout_temperature": "actor_rollout_ref.rollout.temperature",
-    "rollout_top_k": "actor_rollout_ref.rollout.top_k",
-    "rollout_top_p": "actor_rollout_ref.rollout.top_p",
+    "rollout_logprobs_mode": "actor_rollout_ref.rollout.logprobs_mode",
     "rollout_calculate_log_probs": "actor_rollout_ref.rollout.calculate_log_probs",
     "rollout_repetition_penalty": "actor_rollout_ref.rollout.repetition_penalty",
     "lora_rank": "actor_rollout_ref.model.lora_rank",
@@ -138,6 +138,11 @@ RUN_RULES: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
         "the arctic engine keeps the weights inside arctic-rl, so arctic's sampler must serve the rollout (arctic)",
     ),
     ("rollout_repetition_penalty", lambda value: value != 1.0, "arctic-rl samples without a penalty (1.0)"),
+    (
+        "rollout_logprobs_mode",
+        lambda value: value not in get_args(LogprobsMode),
+        "arctic-rl's samplers report log-probs, not logits (processed_logprobs or raw_logprobs)",
+    ),
     ("lora_rank", lambda value: bool(value and value > 0), "arctic-rl trains full weights; LoRA is not mapped (0)"),
     (
         "lora_config_rank",
@@ -294,29 +299,8 @@ def _rollout_correction(s: dict[str, Any]) -> float | None:
         raise UnsupportedVerlSetting(
             VERL_PATHS["rollout_calculate_log_probs"], False, "token TIS needs the sampler's log-probs (true)"
         )
-    if s["rollout_temperature"] != 1.0:
-        raise UnsupportedVerlSetting(
-            VERL_PATHS["rollout_temperature"],
-            s["rollout_temperature"],
-            "with token TIS the behaviour log-probs must be the sampling distribution's; arctic-rl's sampler "
-            "reports log-probs of the model logits, which are those only at temperature 1.0",
-        )
-    # verl's vLLM rollout reports processed log-probs (logprobs_mode=processed_logprobs): renormalised over
-    # the tokens top-k/top-p keep. arctic-rl's samplers report them under the full distribution.
-    if s["rollout_top_k"] is not None and s["rollout_top_k"] > 0:
-        raise UnsupportedVerlSetting(
-            VERL_PATHS["rollout_top_k"],
-            s["rollout_top_k"],
-            "with token TIS the behaviour log-probs must be the sampling distribution's; arctic-rl's sampler "
-            "reports log-probs of the model logits, not renormalised over the top-k tokens (-1 or 0: off)",
-        )
-    if s["rollout_top_p"] is not None and s["rollout_top_p"] < 1.0:
-        raise UnsupportedVerlSetting(
-            VERL_PATHS["rollout_top_p"],
-            s["rollout_top_p"],
-            "with token TIS the behaviour log-probs must be the sampling distribution's; arctic-rl's sampler "
-            "reports log-probs of the model logits, not renormalised over the top-p nucleus (1.0)",
-        )
+    # The behaviour log-probs are what rollout.logprobs_mode says, as from verl's vLLM rollout: the sampler
+    # reports them in that mode (client_config), so temperature, top-k and top-p need no refusal.
     return cap
 
 
@@ -452,6 +436,7 @@ def client_config(arctic, model_config, optim) -> ArcticRLClientConfig:
         "max_num_seqs": arctic.max_num_seqs,
         "gpu_memory_utilization": arctic.gpu_memory_utilization,
         "enable_prefix_caching": arctic.enable_prefix_caching,
+        "logprobs_mode": arctic.logprobs_mode,
     }
     return ArcticRLClientConfig(
         model_name=model_config.local_path or model_config.path,

@@ -9,6 +9,7 @@ arctic-rl cannot serve, naming them.
 from __future__ import annotations
 
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -20,7 +21,7 @@ from verl.workers.engine.fsdp.transformer_impl import FSDPEngine
 from arctic_rl_core.config import OptimizerConfig
 from arctic_rl_core.engines.training.deepspeed_setup import build_optimizer, lr_multiplier
 from arctic_rl_verl.config import ArcticActorConfig, ArcticEngineConfig
-from arctic_rl_verl.mapping import UnsupportedVerlSetting, micro_batch_spec, optimizer_settings
+from arctic_rl_verl.mapping import UnsupportedVerlSetting, client_config, micro_batch_spec, optimizer_settings
 
 RECIPE = Path(__file__).resolve().parents[2] / "recipes" / "gsm8k" / "verl"
 PATHS = [
@@ -28,6 +29,7 @@ PATHS = [
     "data.train_files=/data/train.parquet",
     "data.val_files=/data/test.parquet",
 ]
+MODEL = SimpleNamespace(local_path=None, path="/models/tiny")  # the fields of verl's HFModelConfig client_config reads
 
 
 def config(name: str, *overrides: str):
@@ -131,6 +133,17 @@ def test_verl_clip_higher_and_token_tis_become_clip_bounds_and_a_behaviour_weigh
     assert actor.arctic.decoupled_ppo
 
 
+def test_token_tis_with_temperature_top_k_and_top_p_gets_the_samplers_log_probs_in_verls_mode():
+    """verl's vLLM rollout reports processed log-probs by default (rollout.logprobs_mode); so does arctic's sampler."""
+    sampling = ["actor_rollout_ref.rollout.temperature=0.7", "actor_rollout_ref.rollout.top_k=20",
+                "actor_rollout_ref.rollout.top_p=0.9", "algorithm.rollout_correction.rollout_is=token"]  # fmt: skip
+    actor = validated_actor("arctic_gsm8k_cpu", *sampling)
+    assert actor.arctic.decoupled_ppo
+    assert client_config(actor.arctic, MODEL, actor.optim).vllm_config["logprobs_mode"] == "processed_logprobs"
+    raw = validated_actor("arctic_gsm8k_cpu", *sampling, "actor_rollout_ref.rollout.logprobs_mode=raw_logprobs")
+    assert client_config(raw.arctic, MODEL, raw.optim).vllm_config["logprobs_mode"] == "raw_logprobs"
+
+
 @pytest.mark.parametrize(
     "schedule", [["lr_scheduler_type=cosine", "lr_warmup_steps_ratio=0.15", "min_lr_ratio=0.1"], ["lr_warmup_steps=4"]]
 )
@@ -208,15 +221,8 @@ REFUSED = [
             "algorithm.rollout_correction.rollout_is_threshold='1_10'",
         ],
     ),
-    # verl's vLLM rollout reports log-probs renormalised over the top-k / top-p tokens; arctic's samplers do not.
-    (
-        "actor_rollout_ref.rollout.top_k",
-        ["algorithm.rollout_correction.rollout_is=token", "actor_rollout_ref.rollout.top_k=20"],
-    ),
-    (
-        "actor_rollout_ref.rollout.top_p",
-        ["algorithm.rollout_correction.rollout_is=token", "actor_rollout_ref.rollout.top_p=0.9"],
-    ),
+    # vLLM's logit modes: arctic's samplers report log-probs.
+    ("actor_rollout_ref.rollout.logprobs_mode", ["actor_rollout_ref.rollout.logprobs_mode=processed_logits"]),
     # verl's reference log-probs are at the rollout temperature; arctic's vLLM log-prob engine applies none.
     (
         "actor_rollout_ref.actor.arctic.log_prob_engine",
