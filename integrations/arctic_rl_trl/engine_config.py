@@ -90,3 +90,15 @@ def with_grpo_training_config(
     mb_spec = {"max_rows_per_forward_mb": args.per_device_train_batch_size, **user.get("mb_spec", {})}
     merged = {**user, **training_config_from_grpo(args, max_steps, no_decay_params), "mb_spec": mb_spec}
     return config.model_copy(update={"training_config": merged})
+
+
+def with_processed_logprobs(config: ArcticRLClientConfig) -> ArcticRLClientConfig:
+    """``config`` whose sampler reports processed log-probs, unless its ``vllm_config`` names a mode.
+
+    TRL runs its own vLLM with ``logprobs_mode="processed_logprobs"`` (log-probs of the distribution a token
+    was drawn from: temperature, top-k, top-p), which its importance-sampling correction assumes.
+    """
+    vllm_config = config.vllm_config or {}
+    if "logprobs_mode" in vllm_config:
+        return config
+    return config.model_copy(update={"vllm_config": {**vllm_config, "logprobs_mode": "processed_logprobs"}})

@@ -6,9 +6,11 @@ of a completion token is pi_trainer / pi_sampler, per token or as one product
 per sequence, then truncated to [clip_min, clip_max] or zeroed outside it.
 The policy loss of each token is multiplied by it (the KL term is not).
 
-The arctic sampler returns the log-probs of the raw logits (temperature 1),
-so the trainer side of the ratio is the training engine's log-probs at
-temperature 1 as well.
+A deployment the trainer starts reports processed log-probs, as TRL's own
+vLLM does (``logprobs_mode="processed_logprobs"``), and the trainer side is
+TRL's: the training engine's log-probs at the sampling temperature. A running
+deployment whose sampler reports raw log-probs gets a trainer side at
+temperature 1 instead, so that both sides score the same logits.
 """
 
 from __future__ import annotations

@@ -39,7 +39,7 @@ from trl import GRPOConfig, GRPOTrainer
 from arctic_rl_core import ArcticRLClient, ArcticRLClientConfig, create_arctic_rl_client
 from arctic_rl_trl.batch import Rows, shifted_to_completion
 from arctic_rl_trl.compat import Problem, grpo_config_problems, raise_problems
-from arctic_rl_trl.engine_config import training_config_problems, with_grpo_training_config
+from arctic_rl_trl.engine_config import training_config_problems, with_grpo_training_config, with_processed_logprobs
 from arctic_rl_trl.event_loop import EventLoopThread
 from arctic_rl_trl.importance_sampling import ImportanceSamplingCorrection
 from arctic_rl_trl.loss import LossBatch, LossMapping, completion_loss_mask, loss_batch
@@ -140,12 +140,14 @@ class ArcticGRPOTrainer(GRPOTrainer):
         self._loop = EventLoopThread()
         self._owns_client = arctic_client is None
         if arctic_client is None:
-            arctic_client = create_arctic_rl_client(
+            deployment = with_processed_logprobs(
                 with_grpo_training_config(
                     arctic_config, self.args, self._planned_max_steps(), self._no_decay_parameters()
                 )
             )
+            arctic_client = create_arctic_rl_client(deployment)
         self.arctic_client = arctic_client
+        self._sampler_logprobs_processed = (deployment.vllm_config or {}).get("logprobs_mode") == "processed_logprobs"
         self._syncs_sampler = _has_job(arctic_client, "sampling")
         self._loss = LossMapping.from_args(self.args)
         self._importance_sampling = ImportanceSamplingCorrection.from_args(self.args)
@@ -239,8 +241,10 @@ class ArcticGRPOTrainer(GRPOTrainer):
         )
         if "old_per_token_logps" not in output:
             output["old_per_token_logps"] = self._completion_logps(rows, self._loss.post())
-        # The sampler's log-probs are of the raw logits, so the trainer's side is taken at temperature 1 too.
-        trainer_logps = output["old_per_token_logps"] if not self._loss.post() else self._completion_logps(rows, [])
+        # Processed sampler log-probs score the sampling distribution: the trainer's side is TRL's, at the
+        # sampling temperature. Raw ones score the logits, so the trainer's side is taken at temperature 1 too.
+        at_temperature_one = not self._sampler_logprobs_processed and self._loss.post()
+        trainer_logps = self._completion_logps(rows, []) if at_temperature_one else output["old_per_token_logps"]
         mask = completion_loss_mask(output)
         ratio = self._importance_sampling.ratio(trainer_logps, sampler_logps, mask)
         output["importance_sampling_ratio"] = ratio

@@ -19,7 +19,11 @@ from trl import GRPOConfig  # noqa: E402
 
 from arctic_rl_core import ArcticRLClientConfig  # noqa: E402
 from arctic_rl_trl import ArcticGRPOTrainer, UnsupportedGRPOOption  # noqa: E402
-from arctic_rl_trl.engine_config import training_config_from_grpo, with_grpo_training_config  # noqa: E402
+from arctic_rl_trl.engine_config import (  # noqa: E402
+    training_config_from_grpo,
+    with_grpo_training_config,
+    with_processed_logprobs,
+)
 from tests.installed import require  # noqa: E402
 
 
@@ -204,3 +208,9 @@ def test_forward_only_calls_take_trls_log_prob_batch_size_unless_mb_spec_names_i
         "max_tokens_per_mb": 64,
         "max_rows_per_forward_mb": 2,
     }
+
+
+def test_a_started_deployment_reports_processed_log_probs_as_trls_vllm_unless_its_config_names_a_mode():
+    assert with_processed_logprobs(arctic_config("m")).vllm_config == {"logprobs_mode": "processed_logprobs"}
+    own = arctic_config("m", vllm_config={"logprobs_mode": "raw_logprobs", "max_model_len": 64})
+    assert with_processed_logprobs(own).vllm_config == {"logprobs_mode": "raw_logprobs", "max_model_len": 64}

@@ -34,10 +34,10 @@ class RecordingClient:
     training_job_id = "training"
     sampling_job_id = "sampling"
 
-    def __init__(self, model: str, truncate_from_generate_call: int = 10**9):
+    def __init__(self, model: str, truncate_from_generate_call: int = 10**9, logprobs_mode: str = "raw_logprobs"):
         self.config = ArcticRLClientConfig(
             model_name=model, backend="remote", host="127.0.0.1", port=9, device="cpu", training_gpus=1,
-            sampling_gpus=1,
+            sampling_gpus=1, vllm_config={"logprobs_mode": logprobs_mode},
         )  # fmt: skip
         self.eos = AutoTokenizer.from_pretrained(model).eos_token_id
         self.truncate_from = truncate_from_generate_call
@@ -170,3 +170,17 @@ def test_the_arctic_samplers_log_probs_are_still_corrected(tiny_model, tmp_path)
     _, logs = train(tiny_model, grpo_args(tmp_path, max_steps=1), client)
     assert logs[0]["sampling/importance_sampling_ratio/max"] == 0.0
     assert advantages_sent(client).abs().sum() == 0
+
+
+@pytest.mark.parametrize(("mode", "temperature_one_passes"), [("processed_logprobs", 0), ("raw_logprobs", 1)])
+def test_the_trainer_side_of_the_correction_scores_what_the_sampler_scores(tiny_model, tmp_path, mode,
+                                                                           temperature_one_passes):  # fmt: skip
+    """Processed sampler log-probs are weighed against TRL's old log-probs at the sampling temperature (no
+    extra pass); raw ones against log-probs at temperature 1, one more fwd_no_grad for the generation batch."""
+    client = RecordingClient(tiny_model, logprobs_mode=mode)
+    _, logs = train(tiny_model, grpo_args(tmp_path, max_steps=1, temperature=0.7), client)
+    assert "sampling/importance_sampling_ratio/max" in logs[0]
+    assert client.fwd_no_grad_posts.count([]) == temperature_one_passes
+    at_temperature = [{"name": "temperature", "config": {"temperature": 0.7}}]
+    assert client.fwd_no_grad_posts.count(at_temperature) == 1  # TRL's old log-probs of the generation batch
+    assert len(client.fwd_no_grad_posts) == 1 + temperature_one_passes
