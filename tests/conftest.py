@@ -24,3 +24,16 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _vllm_leaves_the_environment_as_found(request):
+    """An in-process vLLM engine sets process-wide variables (LD_PRELOAD, LOCAL_WORLD_SIZE, VLLM_DIST_IDENT,
+    ...) that servers started later by the same pytest process would inherit; their vLLM workers then fail."""
+    if request.node.get_closest_marker("vllm") is None:
+        yield
+        return
+    before = dict(os.environ)
+    yield
+    os.environ.clear()
+    os.environ.update(before)

@@ -145,7 +145,11 @@ def test_client_api_examples(comm_protocol, sampling_engine, tiny_model, tmp_pat
         with pytest.raises(ValueError):
             client.training_job_id
 
-    asyncio.run(examples())
+    try:
+        asyncio.run(examples())
+    except BaseException:
+        asyncio.run(client.shutdown())  # a failed example must not leave its server on the seeds' port
+        raise
 
 
 def test_ray_reconnection_example_from_a_ray_actor(tiny_model):
