@@ -37,6 +37,7 @@ import torch
 from arctic_rl_core.engines.runtime import empty_device_cache
 from arctic_rl_core.engines.sampling.native.block_manager import BlockManager
 from arctic_rl_core.engines.sampling.native.config import EngineConfig
+from arctic_rl_core.engines.sampling.native.detokenizer import INCOMPLETE, decode
 from arctic_rl_core.engines.sampling.native.model_runner import ModelRunner
 from arctic_rl_core.engines.sampling.native.sampler import SampledTokens, noise_key
 from arctic_rl_core.engines.sampling.native.scheduler import Batch, Scheduler
@@ -244,6 +245,8 @@ class NativeEngine:
         """Finish ``seq`` if its newest token ends it; True when it did."""
         p = seq.params
         token = seq.last_token
+        # The text grows at every token, min_tokens or not: a stop string that ended before is not new.
+        new_text = seq.detokenizer.extend(self.tokenizer, seq.token_ids) if p.stop else ""
         # As in vLLM: the first ``min_tokens`` tokens never end a completion (the sampler bans EOS and stop ids
         # there; a stop string ending in their text is ignored).
         if seq.num_completion_tokens > p.min_tokens:
@@ -254,8 +257,8 @@ class NativeEngine:
             if token in p.stop_token_ids:
                 self.scheduler.finish(seq, "stop", stop_reason=token)
                 return True
-            if p.stop:
-                hit = self._find_stop_string(seq)
+            if new_text:
+                hit = self._find_stop_string(seq, new_text)
                 if hit is not None:
                     seq.text_end, stop = hit
                     self.scheduler.finish(seq, "stop", stop_reason=stop)
@@ -269,24 +272,19 @@ class NativeEngine:
         """Whether ``seq`` has its ``max_tokens`` or fills ``max_model_len`` (its pending token counted)."""
         return seq.num_completion_tokens >= seq.params.max_tokens or seq.num_tokens >= self.config.max_model_len
 
-    def _find_stop_string(self, seq: Sequence) -> tuple[int, str] | None:
-        """The stop string the newest token completed, as (text position, string).
+    @staticmethod
+    def _find_stop_string(seq: Sequence, new_text: str) -> tuple[int, str] | None:
+        """The stop string that ``new_text``, the text the newest tokens added, completed: (text position, string).
 
         As vLLM picks: the one that ends first in the text, ties by list order.
         """
-        completion = seq.completion_token_ids
-        # Stop strings are checked at every token from min_tokens on: the last check's text is the one before this.
-        if seq.checked_text is not None and seq.checked_text[0] == len(completion) - 1:
-            previous = seq.checked_text[1]
-        else:
-            previous = self._decode(completion[:-1])
-        text = self._decode(completion)
-        seq.checked_text = (len(completion), text)
+        text = seq.detokenizer.text
+        previous = len(text) - len(new_text)
         # Only an occurrence that ends in the new text is new; one that ended earlier was seen (or ignored
         # before min_tokens) then. Searching from where a new one can start skips the old ones.
         best = None
         for stop in seq.params.stop:
-            at = text.find(stop, max(0, len(previous) - len(stop) + 1))
+            at = text.find(stop, max(0, previous - len(stop) + 1))
             if at != -1 and (best is None or at + len(stop) < best[0] + len(best[1])):
                 best = (at, stop)
         return best
@@ -294,19 +292,19 @@ class NativeEngine:
     def _decode(self, token_ids: list[int]) -> str:
         if self.tokenizer is None:
             return ""
-        return self.tokenizer.decode(token_ids, skip_special_tokens=True)
+        return decode(self.tokenizer, token_ids)
 
     def _completion(self, seq: Sequence) -> Completion:
         token_ids = seq.completion_token_ids
-        if seq.finish_reason == "stop" and seq.text_end is None:
-            token_ids = token_ids[:-1]  # EOS or a stop id: in token_ids, not in the text (as vLLM returns it)
-        text = self._decode(token_ids)
         if seq.text_end is not None:
-            text = text[: seq.text_end]
+            text = seq.detokenizer.text[: seq.text_end]
         else:
+            if seq.finish_reason == "stop":
+                token_ids = token_ids[:-1]  # EOS or a stop id: in token_ids, not in the text (as vLLM returns it)
+            text = self._decode(token_ids)
             # A tail of tokens whose text ends in U+FFFD may hold an incomplete UTF-8 sequence: vLLM's incremental
             # detokenizer holds such tokens back until a later one completes it, so a finished text lacks them.
-            while text.endswith("\ufffd"):
+            while text.endswith(INCOMPLETE):
                 token_ids = token_ids[:-1]
                 text = self._decode(token_ids)
         return Completion(

@@ -5,6 +5,7 @@ from __future__ import annotations
 from enum import Enum, auto
 from itertools import count
 
+from arctic_rl_core.engines.sampling.native.detokenizer import IncrementalDetokenizer
 from arctic_rl_core.engines.sampling.protocol import SamplingParams
 
 PENDING = -1  # the token of a decode step still on the device (asynchronous scheduling)
@@ -50,8 +51,9 @@ class Sequence:
         self.logprobs: list[float] = []
         self.finish_reason: str | None = None
         self.stop_reason: str | int | None = None
-        self.text_end: int | None = None  # where a stop string starts in the decoded text
-        self.checked_text: tuple[int, str] | None = None  # (completion tokens, their text) at the last stop check
+        self.text_end: int | None = None  # where a stop string starts in ``detokenizer.text``
+        # The completion's text as it grows, for stop strings (only completions that have some).
+        self.detokenizer = IncrementalDetokenizer(self.num_prompt_tokens) if params.stop else None
 
     def __len__(self) -> int:
         return len(self.token_ids)
