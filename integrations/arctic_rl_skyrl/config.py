@@ -228,11 +228,15 @@ def client_config(
     ds_config: dict = {"zero_optimization": {"stage": arctic.zero_stage}}
     if arctic.offload_optimizer:
         ds_config["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
+    engine = cfg.generator.inference_engine
     sampler_config = {
         "max_model_len": longest_prompt(cfg) + cfg.generator.sampling_params.max_generate_length,
-        "gpu_memory_utilization": cfg.generator.inference_engine.gpu_memory_utilization,
-        "enable_prefix_caching": cfg.generator.inference_engine.enable_prefix_caching,
-        "enforce_eager": cfg.generator.inference_engine.enforce_eager,
+        "max_num_seqs": engine.max_num_seqs,
+        "gpu_memory_utilization": engine.gpu_memory_utilization,
+        "enable_prefix_caching": engine.enable_prefix_caching,
+        "enforce_eager": engine.enforce_eager,
+        # As SkyRL applies them: last, over the engine arguments it derives (arctic's own options win).
+        **engine.engine_init_kwargs,
         **arctic.sampler_config,
     }
     return ArcticRLClientConfig(

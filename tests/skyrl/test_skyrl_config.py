@@ -160,3 +160,17 @@ def test_sampler_context_fits_the_longest_prompt_plus_a_full_generation():
     validate_cfg(multi_turn)
     assert client_config(multi_turn, 10).vllm_config["max_model_len"] == 2048 + 256
     check_prompt(list(range(1, 2049)), client_config(multi_turn, 10).vllm_config["max_model_len"], 4096)
+
+
+def test_inference_engine_settings_reach_the_sampler_with_engine_init_kwargs_last_as_in_skyrl():
+    engine = "generator.inference_engine"
+    cfg = parse(f"{engine}.max_num_seqs=64",
+                f"{engine}.engine_init_kwargs={{logprobs_mode: processed_logprobs, enforce_eager: true}}")  # fmt: skip
+    sampler = client_config(cfg, 10).vllm_config
+    assert sampler["max_num_seqs"] == 64
+    assert sampler["logprobs_mode"] == "processed_logprobs"
+    assert sampler["enforce_eager"] is True  # over inference_engine.enforce_eager (false)
+    ours = parse(
+        f"{engine}.engine_init_kwargs={{max_num_seqs: 8}}", "trainer.arctic_rl.sampler_config={max_num_seqs: 4}"
+    )
+    assert client_config(ours, 10).vllm_config["max_num_seqs"] == 4
