@@ -113,13 +113,15 @@ def decode_profile(engine, batch: int, vocab: int) -> None:
         return
     graph_ms = gpu_ms(runner.graphs[key].replay)
     logits = torch.randn(batch, vocab, device="cuda")
-    args = (
-        torch.ones(batch, device="cuda"),
-        torch.full((batch,), float("-inf"), device="cuda"),
-        torch.arange(batch, device="cuda"),
-        torch.full((batch, 0), -1, dtype=torch.int32, device="cuda"),
+    rows = ops.SamplingRows(
+        temperature=torch.ones(batch, device="cuda"),
+        noise_keys=torch.arange(batch, device="cuda"),
+        first_steps=torch.zeros(batch, dtype=torch.int64, device="cuda"),
+        banned=torch.full((batch, 0), -1, dtype=torch.int32, device="cuda"),
+        min_tokens=torch.zeros(batch, dtype=torch.int64, device="cuda"),
     )
-    sampler_ms = gpu_ms(lambda: ops.sample_tokens(logits, *args))
+    no_floor = torch.full((batch,), float("-inf"), device="cuda")
+    sampler_ms = gpu_ms(lambda: ops.sample_tokens(logits, rows, 0, no_floor))
     print(f"profile: decode graph replay (B={key[0]}) {graph_ms:.3f} ms, sampling kernel {sampler_ms:.3f} ms per step")
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         for _ in range(10):

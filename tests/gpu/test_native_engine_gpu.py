@@ -180,9 +180,13 @@ def test_sampling_kernel_matches_the_torch_sampler(processed):
     temperature[:4] = 0
     floor = torch.full((16,), float("-inf"))
     floor[8:] = logits[8:].max(dim=-1).values - 2.0  # a top-k/top-p floor: a few tokens per row stay
-    keys = torch.randint(0, 2**32, (16,), generator=g)
-    banned = torch.full((16, 1), -1, dtype=torch.int32)
-    cpu = ops.sample_tokens(logits, temperature, floor, keys, banned, processed)
-    gpu = ops.sample_tokens(*(t.cuda() for t in (logits, temperature, floor, keys, banned)), processed)
-    assert gpu[0].cpu().tolist() == cpu[0].tolist()
-    torch.testing.assert_close(gpu[1].cpu(), cpu[1], atol=1e-4, rtol=0)
+    banned = logits.topk(2, dim=-1).indices.int()  # each row's two best, banned below min_tokens
+    rows = ops.SamplingRows(temperature, torch.randint(0, 2**32, (16,), generator=g),
+                            torch.randint(0, 100, (16,), generator=g), banned, torch.randint(0, 110, (16,), generator=g))  # fmt: skip
+    for step in (0, 7):
+        cpu = ops.sample_tokens(logits, rows, step, floor, processed)
+        gpu = ops.sample_tokens(
+            logits.cuda(), ops.SamplingRows(*(t.cuda() for t in rows)), step, floor.cuda(), processed
+        )
+        assert gpu[0].cpu().tolist() == cpu[0].tolist()
+        torch.testing.assert_close(gpu[1].cpu(), cpu[1], atol=1e-4, rtol=0)

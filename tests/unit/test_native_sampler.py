@@ -3,7 +3,20 @@
 import torch
 
 from arctic_rl_core.engines.sampling.native import ops
-from arctic_rl_core.engines.sampling.native.sampler import min_logits, noise_key, row_key
+from arctic_rl_core.engines.sampling.native.sampler import min_logits, noise_key
+
+
+def sampling_rows(temperature, banned, min_tokens=None, first_steps=0) -> ops.SamplingRows:
+    """Rows seeded 0, 1, ...; ``banned`` applies while a row's token number is below ``min_tokens`` (default:
+    always)."""
+    rows = len(temperature)
+    return ops.SamplingRows(
+        temperature=torch.as_tensor(temperature, dtype=torch.float32),
+        noise_keys=torch.tensor([noise_key(s) for s in range(rows)]),
+        first_steps=torch.full((rows,), first_steps, dtype=torch.int64),
+        banned=banned,
+        min_tokens=torch.full((rows,), 2**40) if min_tokens is None else torch.as_tensor(min_tokens),
+    )
 
 
 def test_top_k_keeps_the_k_largest_logits():
@@ -24,10 +37,9 @@ def test_top_p_keeps_the_smallest_set_whose_mass_reaches_p_at_the_sampling_tempe
 
 def test_samples_stay_inside_the_floor_and_follow_the_softmax():
     logits = torch.tensor([[2.0, 1.0, 0.0, -9.0]]).repeat(4000, 1)
-    keys = torch.tensor([row_key(noise_key(s), 0) for s in range(4000)])
     floor = torch.full((4000,), 0.0)
-    banned = torch.full((4000, 1), 1, dtype=torch.int32)
-    tokens, logprobs = ops.sample_tokens(logits, torch.ones(4000), floor, keys, banned)
+    rows = sampling_rows(torch.ones(4000), torch.full((4000, 1), 1, dtype=torch.int32))
+    tokens, logprobs = ops.sample_tokens(logits, rows, 0, floor)
     counts = torch.bincount(tokens, minlength=4).tolist()
     assert counts[1] == counts[3] == 0  # banned, and below the floor
     share = counts[0] / 4000  # e^2 / (e^2 + e^0) with token 1 banned
@@ -42,10 +54,9 @@ def test_processed_logprobs_score_the_distribution_the_token_was_drawn_from():
     logits = torch.tensor([[2.0, 1.0, 0.0, -9.0], [2.0, 1.0, 0.0, -9.0], [0.5, 3.0, 1.0, 2.0]])
     temperature = torch.tensor([0.5, 2.0, 0.0])
     floor = torch.tensor([0.0, float("-inf"), float("-inf")])
-    banned = torch.tensor([[1], [-1], [1]], dtype=torch.int32)
-    keys = torch.tensor([row_key(noise_key(s), 0) for s in range(3)])
-    tokens, raw = ops.sample_tokens(logits, temperature, floor, keys, banned)
-    same_tokens, processed = ops.sample_tokens(logits, temperature, floor, keys, banned, processed=True)
+    rows = sampling_rows(temperature, torch.tensor([[1], [-1], [1]], dtype=torch.int32))
+    tokens, raw = ops.sample_tokens(logits, rows, 0, floor)
+    same_tokens, processed = ops.sample_tokens(logits, rows, 0, floor, processed=True)
     assert torch.equal(tokens, same_tokens)
     allowed = torch.tensor([[1, 0, 1, 0], [1, 1, 1, 1], [1, 0, 1, 1]], dtype=torch.bool)
     scale = torch.tensor([2.0, 0.5, 1.0])[:, None]
@@ -56,9 +67,21 @@ def test_processed_logprobs_score_the_distribution_the_token_was_drawn_from():
     assert tokens[2] == 3  # greedy: the best token left once token 1 is banned
 
 
-def test_noise_is_a_function_of_key_and_step_only():
-    a = ops.gumbel_noise(torch.tensor([row_key(noise_key(7), 3), row_key(noise_key(8), 3)]), 50)
-    b = ops.gumbel_noise(torch.tensor([row_key(noise_key(7), 3)]), 50)
+def test_noise_is_a_function_of_key_and_token_number_only():
+    keys = torch.tensor([noise_key(7), noise_key(8)])
+    a = ops.gumbel_noise(ops.row_keys(keys, torch.tensor([3, 3])), 50)
+    b = ops.gumbel_noise(ops.row_keys(keys[:1], torch.tensor([3])), 50)
     assert torch.equal(a[0], b[0])
     assert not torch.equal(a[0], a[1])
-    assert row_key(noise_key(7), 3) != row_key(noise_key(7), 4)
+    assert ops.row_keys(keys[:1], torch.tensor([3])) != ops.row_keys(keys[:1], torch.tensor([4]))
+
+
+def test_a_batch_step_is_a_token_number_for_noise_and_for_the_min_tokens_ban():
+    logits = torch.zeros(64, 8)
+    banned = torch.tensor([[0, 1, 2, 3]] * 64, dtype=torch.int32)
+    later = ops.sample_tokens(logits, sampling_rows(torch.ones(64), banned, [5] * 64, first_steps=2), 1, logits[:, 0])
+    same = ops.sample_tokens(logits, sampling_rows(torch.ones(64), banned, [5] * 64, first_steps=3), 0, logits[:, 0])
+    assert torch.equal(later[0], same[0])
+    assert (later[0] >= 4).all()  # token number 3 < min_tokens: ids 0-3 banned
+    free = ops.sample_tokens(logits, sampling_rows(torch.ones(64), banned, [5] * 64, first_steps=3), 2, logits[:, 0])
+    assert (free[0] < 4).any()  # token number 5: min_tokens reached, the ban is over

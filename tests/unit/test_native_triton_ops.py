@@ -57,17 +57,28 @@ def check_sampling_kernel_picks_the_same_tokens_and_logprobs_as_torch(processed)
     kernels = _kernels()
     g = torch.Generator().manual_seed(3)
     logits = torch.randn(4, 5000, generator=g) * 3
+    logits[3, 3] = 50.0  # row 3 samples token 3 unless it is banned
     temperature = torch.tensor([0.0, 1.0, 0.7, 1.3])
     # Row 2's floor leaves a few tokens of the first 4096-entry slice and none of the second.
     min_logit = torch.tensor([float("-inf"), float("-inf"), logits[2, :4096].max().item() - 1.0, float("-inf")])
-    keys = torch.tensor([1, 2, 3, 2**31 + 5])
-    banned = torch.tensor([[-1, -1], [5, int(logits[1].argmax())], [-1, -1], [-1, -1]], dtype=torch.int32)
-    expected = ops.sample_tokens(logits, temperature, min_logit, keys, banned, processed)
-    actual = kernels.sample_tokens(logits, temperature, min_logit, keys, banned, processed)
+    banned = torch.tensor([[-1, -1], [5, int(logits[1].argmax())], [-1, -1], [3, -1]], dtype=torch.int32)
+    rows = ops.SamplingRows(
+        temperature=temperature,
+        noise_keys=torch.tensor([1, 2, 3, 2**32 - 5]),
+        first_steps=torch.tensor([0, 7, 2**20, 4]),
+        banned=banned,
+        min_tokens=torch.tensor([0, 9, 0, 10]),  # row 1 still banning at step 1; row 3 no longer at step 6
+    )
+    step = 1 if processed else 6
+    expected = ops.sample_tokens(logits, rows, step, min_logit, processed)
+    actual = kernels.sample_tokens(logits, rows, step, min_logit, processed)
     assert actual[0].tolist() == expected[0].tolist()
     torch.testing.assert_close(actual[1], expected[1])
     assert actual[0][0] == logits[0].argmax()
     assert torch.isfinite(actual[1]).all()
+    if step + 7 < 9:  # row 1's token number is below its min_tokens: both ids are banned
+        assert actual[0][1] not in (5, logits[1].argmax())
+    assert (actual[0][3] == 3) == (step + 4 >= 10)  # row 3's ban of token 3 ends at token number 10
 
 
 CHECKS = {

@@ -8,6 +8,8 @@ layer to about ten.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 
@@ -144,6 +146,14 @@ def mix32(x: torch.Tensor) -> torch.Tensor:
     return x ^ (x >> 16)
 
 
+STEP_STRIDE = 0x9E3779B9  # a row's key at step s: mix32(noise_key + s * STEP_STRIDE)
+
+
+def row_keys(noise_keys: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
+    """Each row's 32-bit key of its noise row at ``steps`` (int64 tensors)."""
+    return mix32((noise_keys + steps * STEP_STRIDE) & MASK32)
+
+
 def gumbel_noise(row_keys: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """Gumbel(0, 1) noise ``[rows, vocab]``, a pure function of each row's 32-bit key and the token index."""
     index = torch.arange(vocab_size, device=row_keys.device, dtype=torch.int64)
@@ -152,34 +162,46 @@ def gumbel_noise(row_keys: torch.Tensor, vocab_size: int) -> torch.Tensor:
     return -torch.log(-torch.log(uniform))
 
 
+class SamplingRows(NamedTuple):
+    """A batch's sampling parameters, one entry per row, on the device; they change only with the batch.
+
+    A row samples its token number ``first_steps + step`` at a batch's ``step``-th call: its noise and
+    whether ``banned`` applies (before ``min_tokens``) follow from that, with nothing uploaded per step.
+    """
+
+    temperature: torch.Tensor  # float32; 0 is greedy
+    noise_keys: torch.Tensor  # int64 holding 32-bit keys
+    first_steps: torch.Tensor  # int64: completion tokens the row had at the batch's first call
+    banned: torch.Tensor  # int32 [rows, width], -1 pads: the ids ``min_tokens`` bans (stop ids and EOS)
+    min_tokens: torch.Tensor  # int64: ``banned`` applies while the row's token number is below it
+
+
 def sample_tokens(
-    logits: torch.Tensor,
-    temperature: torch.Tensor,
-    min_logit: torch.Tensor,
-    row_keys: torch.Tensor,
-    banned: torch.Tensor,
-    processed: bool = False,
+    logits: torch.Tensor, rows: SamplingRows, step: int, min_logit: torch.Tensor, processed: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One token per row and its log-prob: under the raw logits, or with ``processed`` under the distribution
     it was drawn from (``logits / temperature`` renormalised over the allowed tokens; greedy rows at 1).
 
     Rows with temperature 0 take the argmax; others take the Gumbel-max of
     ``logits / temperature`` (an exact sample of the softmax). Tokens whose raw
-    logit is below ``min_logit`` (top-k / top-p) or listed in ``banned`` (-1
-    pads) are never chosen.
+    logit is below ``min_logit`` (top-k / top-p) or banned are never chosen.
     """
     if logits.is_cuda:
         from arctic_rl_core.engines.sampling.native import triton_ops
 
-        return triton_ops.sample_tokens(logits, temperature, min_logit, row_keys, banned, processed)
+        return triton_ops.sample_tokens(logits, rows, step, min_logit, processed)
     logits = logits.float()
+    steps = rows.first_steps + step
     allowed = logits >= min_logit[:, None]
-    rows, slots = (banned >= 0).nonzero(as_tuple=True)
-    allowed[rows, banned[rows, slots].long()] = False
+    banning = (rows.banned >= 0) & (steps < rows.min_tokens)[:, None]
+    which, slots = banning.nonzero(as_tuple=True)
+    allowed[which, rows.banned[which, slots].long()] = False
+    temperature = rows.temperature
     greedy = temperature == 0
     # Multiplying by the reciprocal, as the kernel does, keeps both devices' choices identical.
     scaled = logits * torch.where(greedy, 1.0, 1.0 / temperature)[:, None]
-    scores = torch.where(greedy[:, None], scaled, scaled + gumbel_noise(row_keys, logits.shape[1]))
+    noise = gumbel_noise(row_keys(rows.noise_keys, steps), logits.shape[1])
+    scores = torch.where(greedy[:, None], scaled, scaled + noise)
     tokens = scores.masked_fill(~allowed, float("-inf")).argmax(dim=-1)
     scored = scaled.masked_fill(~allowed, float("-inf")) if processed else logits
     return tokens, scored.gather(1, tokens[:, None])[:, 0] - torch.logsumexp(scored, dim=-1)

@@ -35,11 +35,6 @@ def noise_key(seed: int) -> int:
     return _mix32(_mix32(seed & MASK32) ^ ((seed >> 32) & MASK32))
 
 
-def row_key(key: int, step: int) -> int:
-    """The key of step ``step``'s noise row."""
-    return _mix32((key + step * 0x9E3779B9) & MASK32)
-
-
 def min_logits(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor):
     """Per row, the smallest raw logit top-k then top-p (over ``softmax(logits / T)``) keep."""
     vocab = logits.shape[1]
@@ -54,6 +49,35 @@ def min_logits(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Ten
     return values.gather(1, last[:, None])[:, 0]
 
 
+class HostSlots:
+    """Pinned host buffers the steps' tokens and log-probs are copied into, used in turn.
+
+    A step's slot is written again ``SLOTS`` steps later. The engine reads a
+    step before it launches the step after next (asynchronous scheduling keeps
+    one step ahead), so a slot is always read before it is reused; a read that
+    came too late would raise rather than return another step's tokens.
+    """
+
+    SLOTS = 3
+
+    def __init__(self, rows: int):
+        self.tokens = [torch.empty(rows, dtype=torch.int64, pin_memory=True) for _ in range(self.SLOTS)]
+        self.logprobs = [torch.empty(rows, dtype=torch.float32, pin_memory=True) for _ in range(self.SLOTS)]
+        self.uses = [0] * self.SLOTS
+        self.calls = 0
+
+    @property
+    def rows(self) -> int:
+        return len(self.tokens[0])
+
+    def take(self) -> tuple[int, int]:
+        """The next slot and the use it is on."""
+        slot = self.calls % self.SLOTS
+        self.calls += 1
+        self.uses[slot] += 1
+        return slot, self.uses[slot]
+
+
 @dataclass
 class SampledTokens:
     """One step's tokens and log-probs: on the device, where the next decode step can read them as its
@@ -61,25 +85,37 @@ class SampledTokens:
 
     tokens: torch.Tensor
     logprobs: torch.Tensor
-    _host: torch.Tensor | None = None  # [2, rows] float64, pinned
+    _slots: HostSlots | None = None
+    _slot: tuple[int, int] = (0, 0)  # (slot, use) in ``_slots``
     _copied: torch.cuda.Event | None = None
+    _values: tuple[list[int], list[float]] | None = None
 
     @classmethod
-    def copy_to_host(cls, tokens: torch.Tensor, logprobs: torch.Tensor) -> "SampledTokens":
+    def copy_to_host(cls, tokens: torch.Tensor, logprobs: torch.Tensor, slots: HostSlots | None) -> "SampledTokens":
         if not tokens.is_cuda:
             return cls(tokens, logprobs)
-        host = torch.empty((2, len(tokens)), dtype=torch.float64, pin_memory=True)
-        host.copy_(torch.stack([tokens.double(), logprobs.double()]), non_blocking=True)
+        slot, use = slots.take()
+        rows = len(tokens)
+        slots.tokens[slot][:rows].copy_(tokens, non_blocking=True)
+        slots.logprobs[slot][:rows].copy_(logprobs, non_blocking=True)
         copied = torch.cuda.Event()
         copied.record()
-        return cls(tokens, logprobs, host, copied)
+        return cls(tokens, logprobs, slots, (slot, use), copied)
 
     def values(self) -> tuple[list[int], list[float]]:
         """Token ids and log-probs as lists; waits for the device if the step is still running."""
+        if self._values is not None:
+            return self._values
         if self._copied is None:
-            return self.tokens.tolist(), self.logprobs.tolist()
+            self._values = self.tokens.tolist(), self.logprobs.tolist()
+            return self._values
+        slot, use = self._slot
+        if self._slots.uses[slot] != use:
+            raise RuntimeError("a sampled step was read after its host buffer was reused by a later step")
         self._copied.synchronize()
-        return self._host[0].long().tolist(), self._host[1].tolist()
+        rows = len(self.tokens)
+        self._values = self._slots.tokens[slot][:rows].tolist(), self._slots.logprobs[slot][:rows].tolist()
+        return self._values
 
 
 class Sampler:
@@ -87,52 +123,56 @@ class Sampler:
         self.eos_token_ids = sorted(eos_token_ids)
         self.device = device
         self.processed_logprobs = processed_logprobs
-        # Per-batch constants (temperatures, top-k/top-p rows) are rebuilt only when the batch changes.
+        # Per-batch constants, rebuilt only when the batch changes; ``_calls`` counts the batch's steps.
         self._batch_key: tuple[int, ...] = ()
-        self._temperature: torch.Tensor | None = None
+        self._rows: ops.SamplingRows | None = None
+        self._first_step = 0  # the first row's first_steps, to check that the count still holds
+        self._calls = 0
+        self._no_floor: torch.Tensor | None = None
         self._filtered: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        self._slots: HostSlots | None = None
 
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> SampledTokens:
-        device = self.device
         key = tuple(s.seq_id for s in seqs)
-        if key != self._batch_key:
+        # Each call samples one token per row, so the rows' token numbers are the first call's plus the calls.
+        if key != self._batch_key or seqs[0].num_completion_tokens != self._first_step + self._calls:
             self._prepare_batch(key, seqs)
-        temperature = self._temperature
-        keys = torch.tensor([row_key(s.noise_key, s.num_completion_tokens) for s in seqs], dtype=torch.int64)
-        keys = keys.to(device, non_blocking=True)
-        banned = self._banned(seqs).to(device, non_blocking=True)
-        floor = torch.full((len(seqs),), float("-inf"), device=device)
+        step, self._calls = self._calls, self._calls + 1
+        floor = self._no_floor
         if self._filtered is not None:
             index, top_k, top_p = self._filtered
-            floor[index] = min_logits(logits[index], temperature[index], top_k, top_p)
-        sampled = ops.sample_tokens(logits, temperature, floor, keys, banned, self.processed_logprobs)
-        return SampledTokens.copy_to_host(*sampled)
+            floor = floor.index_put((index,), min_logits(logits[index], self._rows.temperature[index], top_k, top_p))
+        tokens, logprobs = ops.sample_tokens(logits, self._rows, step, floor, self.processed_logprobs)
+        if tokens.is_cuda and (self._slots is None or self._slots.rows < len(seqs)):
+            self._slots = HostSlots(max(len(seqs), 2 * (self._slots.rows if self._slots else 0)))
+        return SampledTokens.copy_to_host(tokens, logprobs, self._slots)
 
     def _prepare_batch(self, key: tuple[int, ...], seqs: list[Sequence]) -> None:
         params = [s.params for s in seqs]
         self._batch_key = key
+        self._calls = 0
+        self._first_step = seqs[0].num_completion_tokens
         # The kernels take temperature 0 as greedy: a greedy row's tiny temperature must not reach 1 / temperature.
         temperatures = [0.0 if p.greedy else p.temperature for p in params]
-        self._temperature = torch.tensor(temperatures, dtype=torch.float32).to(self.device)
+        # As vLLM bans them before min_tokens: stop ids and EOS, even under ignore_eos (-1 pads).
+        bans = [list(p.stop_token_ids) + self.eos_token_ids if p.min_tokens else [] for p in params]
+        banned = torch.full((len(seqs), max(map(len, bans), default=0)), -1, dtype=torch.int32)
+        for i, ids in enumerate(bans):
+            banned[i, : len(ids)] = torch.tensor(ids, dtype=torch.int32)
+        device = self.device
+        self._rows = ops.SamplingRows(
+            temperature=torch.tensor(temperatures, dtype=torch.float32).to(device),
+            noise_keys=torch.tensor([s.noise_key for s in seqs], dtype=torch.int64).to(device),
+            first_steps=torch.tensor([s.num_completion_tokens for s in seqs], dtype=torch.int64).to(device),
+            banned=banned.to(device),
+            min_tokens=torch.tensor([p.min_tokens for p in params], dtype=torch.int64).to(device),
+        )
+        self._no_floor = torch.full((len(seqs),), float("-inf"), device=device)
         filtered = [i for i, p in enumerate(params) if not p.greedy and (p.top_k_enabled or p.top_p < 1.0)]
         self._filtered = None
         if filtered:
             self._filtered = (
-                torch.tensor(filtered, device=self.device),
-                torch.tensor([params[i].top_k for i in filtered], device=self.device),
-                torch.tensor([params[i].top_p for i in filtered], dtype=torch.float32, device=self.device),
+                torch.tensor(filtered, device=device),
+                torch.tensor([params[i].top_k for i in filtered], device=device),
+                torch.tensor([params[i].top_p for i in filtered], dtype=torch.float32, device=device),
             )
-
-    def _banned(self, seqs: list[Sequence]) -> torch.Tensor:
-        """Per row, the tokens banned before ``min_tokens`` (-1 pads): stop ids and EOS, even under
-        ``ignore_eos``, as vLLM bans them."""
-        lists = [
-            list(s.params.stop_token_ids) + self.eos_token_ids if s.num_completion_tokens < s.params.min_tokens else []
-            for s in seqs
-        ]
-        width = max(map(len, lists), default=0)
-        banned = torch.full((len(seqs), width), -1, dtype=torch.int32)
-        for i, ids in enumerate(lists):
-            if ids:
-                banned[i, : len(ids)] = torch.tensor(ids, dtype=torch.int32)
-        return banned

@@ -151,16 +151,26 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
+def _mix32(h):
+    """``ops.mix32`` in native uint32 arithmetic."""
+    h = h ^ (h >> 16)
+    h = h * 0x7FEB352D
+    h = h ^ (h >> 15)
+    h = h * 0x31848BAB
+    return h ^ (h >> 16)
+
+
+@triton.jit
 def _inverse_temperature(temperature):
     """1 / temperature, and 1 for greedy rows (temperature 0), whose logits are not scaled."""
     greedy = temperature == 0.0
     return tl.where(greedy, 1.0, 1.0 / tl.where(greedy, 1.0, temperature))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["step"])  # a new value every call: one compiled kernel for all
 def _sample_split_kernel(
-    LOGITS, TEMPERATURE, MIN_LOGIT, ROW_KEYS, BANNED, PART_MAX, PART_SUM, PART_BEST, PART_INDEX,
-    stride_l, stride_b, vocab, num_splits,
+    LOGITS, TEMPERATURE, MIN_LOGIT, NOISE_KEYS, FIRST_STEPS, BANNED, MIN_TOKENS,
+    PART_MAX, PART_SUM, PART_BEST, PART_INDEX, step, stride_l, stride_b, vocab, num_splits,
     NUM_BANNED: tl.constexpr, SPLIT: tl.constexpr, BLOCK: tl.constexpr, PROCESSED: tl.constexpr,
 ):  # fmt: skip
     """One slice of one row's vocabulary: the max and exp-sum of what the log-prob scores (the raw logits, or
@@ -171,7 +181,10 @@ def _sample_split_kernel(
     inv_t = _inverse_temperature(temperature)
     noise_scale = tl.where(temperature == 0.0, 0.0, 1.0)
     floor = tl.load(MIN_LOGIT + row)
-    key = tl.load(ROW_KEYS + row).to(tl.uint32)
+    token_number = tl.load(FIRST_STEPS + row) + step
+    # ops.row_keys, in int64 (exact) up to the 32-bit mask.
+    key = _mix32(((tl.load(NOISE_KEYS + row) + token_number * 0x9E3779B9) & 0xFFFFFFFF).to(tl.uint32))
+    bans_over = token_number >= tl.load(MIN_TOKENS + row)
     run_max = float("-inf")
     run_sum = 0.0
     best = float("-inf")
@@ -181,17 +194,12 @@ def _sample_split_kernel(
         valid = index < vocab
         x = tl.load(LOGITS + row * stride_l + index, mask=valid, other=float("-inf")).to(tl.float32)
         # Same hash as ops.gumbel_noise, in native uint32 arithmetic.
-        h = key + index.to(tl.uint32) * 0x61C88647
-        h = h ^ (h >> 16)
-        h = h * 0x7FEB352D
-        h = h ^ (h >> 15)
-        h = h * 0x31848BAB
-        h = h ^ (h >> 16)
+        h = _mix32(key + index.to(tl.uint32) * 0x61C88647)
         uniform = ((h >> 8).to(tl.float32) + 0.5) * (1.0 / 16777216.0)
         gumbel = -tl.log(-tl.log(uniform))
         allowed = valid & (x >= floor)
         for j in tl.static_range(NUM_BANNED):
-            allowed = allowed & (index != tl.load(BANNED + row * stride_b + j))
+            allowed = allowed & ((index != tl.load(BANNED + row * stride_b + j)) | bans_over)
         score = tl.where(allowed, x * inv_t + gumbel * noise_scale, float("-inf"))
         if PROCESSED:
             scored = tl.where(allowed, x * inv_t, float("-inf"))
@@ -241,15 +249,17 @@ def _sample_combine_kernel(
 SAMPLE_SPLIT = 4096  # vocabulary entries per program: a 150k vocabulary spreads over ~40 programs per row
 
 
-def sample_tokens(logits, temperature, min_logit, row_keys, banned, processed=False):
+def sample_tokens(logits, params, step, min_logit, processed=False):
+    """``ops.sample_tokens`` (``params`` an ``ops.SamplingRows``) in two launches: vocabulary slices, then rows."""
+    temperature, banned = params.temperature, params.banned
     rows, vocab = logits.shape
     dev = logits.device
     splits = triton.cdiv(vocab, SAMPLE_SPLIT)
     part_max, part_sum, part_best = (torch.empty(rows, splits, dtype=torch.float32, device=dev) for _ in range(3))
     part_index = torch.empty(rows, splits, dtype=torch.int32, device=dev)
     _sample_split_kernel[(rows, splits)](
-        logits, temperature, min_logit, row_keys, banned, part_max, part_sum, part_best, part_index,
-        logits.stride(0), banned.stride(0), vocab, splits,
+        logits, temperature, min_logit, params.noise_keys, params.first_steps, banned, params.min_tokens,
+        part_max, part_sum, part_best, part_index, step, logits.stride(0), banned.stride(0), vocab, splits,
         NUM_BANNED=banned.shape[1], SPLIT=SAMPLE_SPLIT, BLOCK=1024, PROCESSED=processed, num_warps=4,
     )  # fmt: skip
     tokens = torch.empty(rows, dtype=torch.int64, device=dev)
