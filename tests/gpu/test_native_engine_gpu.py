@@ -190,3 +190,19 @@ def test_sampling_kernel_matches_the_torch_sampler(processed):
         )
         assert gpu[0].cpu().tolist() == cpu[0].tolist()
         torch.testing.assert_close(gpu[1].cpu(), cpu[1], atol=1e-4, rtol=0)
+
+
+def test_sampled_tokens_come_back_through_reused_host_slots_and_a_late_read_raises():
+    from arctic_rl_core.engines.sampling.native.sampler import HostSlots, SampledTokens
+
+    slots = HostSlots(4)
+    steps = [
+        SampledTokens.copy_to_host(
+            torch.full((3,), i, device="cuda"), torch.full((3,), -float(i), device="cuda"), slots
+        )
+        for i in range(HostSlots.SLOTS + 1)
+    ]
+    assert steps[1].values() == ([1] * 3, [-1.0] * 3)
+    assert steps[-1].values() == ([HostSlots.SLOTS] * 3, [-float(HostSlots.SLOTS)] * 3)
+    with pytest.raises(RuntimeError, match="reused"):
+        steps[0].values()  # its slot now holds the last step's tokens
