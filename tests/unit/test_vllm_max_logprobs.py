@@ -15,8 +15,12 @@ require_vllm()
 def engine(tiny_model):
     from arctic_rl_core.engines.log_prob.vllm import VLLMLogProbEngine
 
+    # The sampler's processed mode too: the log-prob engine's scores stay those of the raw logits.
     options = SamplingEngineOptions(
-        device="cpu", max_model_len=512, extra={"kv_cache_memory_bytes": 128 << 20, "max_logprobs": -1}
+        device="cpu",
+        max_model_len=512,
+        logprobs_mode="processed_logprobs",
+        extra={"kv_cache_memory_bytes": 128 << 20, "max_logprobs": -1},
     )
     log_prob_engine = VLLMLogProbEngine(tiny_model, options)
     yield log_prob_engine

@@ -27,7 +27,9 @@ class VLLMLogProbEngine:
     """A vLLM engine used only to score tokens; weights load and sleep as the sampling backend's do."""
 
     def __init__(self, model_path: str, options: SamplingEngineOptions) -> None:
-        self.backend = VLLMBackend(model_path, options)
+        # Scores are of the raw logits whatever the sampler reports (vLLM's prompt log-probs are raw in its
+        # processed mode too; this says so rather than rely on it).
+        self.backend = VLLMBackend(model_path, options.model_copy(update={"logprobs_mode": "raw_logprobs"}))
 
     def log_probs(self, prompts: list[str], completions: list[str] | None = None, top_k: int = 1) -> list[dict]:
         """Log-probs of each completion's tokens given its prompt (of the prompt's own when ``completions`` is None)."""
