@@ -35,6 +35,17 @@ def test_top_p_keeps_the_smallest_set_whose_mass_reaches_p_at_the_sampling_tempe
     assert torch.allclose(keep_three, logits[0, 2])
 
 
+def test_a_partial_sort_to_the_largest_top_k_gives_the_full_sorts_floors():
+    logits = torch.randn(6, 3000, generator=torch.Generator().manual_seed(0)) * 2
+    logits[0, :40] = 5.0  # ties at the cut
+    temperature = torch.tensor([1.0, 0.5, 2.0, 1.0, 0.7, 1.3])
+    top_k = torch.tensor([50, 7, 200, 1, 200, 3000])
+    top_p = torch.tensor([1.0, 0.9, 0.6, 0.5, 0.99, 0.8])
+    full = min_logits(logits, temperature, top_k, top_p)
+    assert torch.equal(min_logits(logits, temperature, top_k, top_p, width=3000), full)
+    assert torch.equal(min_logits(logits[:5], temperature[:5], top_k[:5], top_p[:5], width=200), full[:5])
+
+
 def test_samples_stay_inside_the_floor_and_follow_the_softmax():
     logits = torch.tensor([[2.0, 1.0, 0.0, -9.0]]).repeat(4000, 1)
     floor = torch.full((4000,), 0.0)

@@ -35,12 +35,21 @@ def noise_key(seed: int) -> int:
     return _mix32(_mix32(seed & MASK32) ^ ((seed >> 32) & MASK32))
 
 
-def min_logits(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor):
-    """Per row, the smallest raw logit top-k then top-p (over ``softmax(logits / T)``) keep."""
+def min_logits(
+    logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, width: int | None = None
+):
+    """Per row, the smallest raw logit top-k then top-p (over ``softmax(logits / T)``) keep.
+
+    ``width``: the largest top-k, when every row has one. Top-p then looks at no
+    more than that many of the best logits, so only those are sorted.
+    """
     vocab = logits.shape[1]
-    values = logits.float().sort(dim=-1, descending=True).values
-    ranks = torch.arange(vocab, device=logits.device)
-    k = torch.where(top_k > 0, top_k.clamp(max=vocab), vocab)
+    if width is not None and width < vocab:
+        values = logits.float().topk(width, dim=-1).values
+    else:
+        values = logits.float().sort(dim=-1, descending=True).values
+    ranks = torch.arange(values.shape[1], device=logits.device)
+    k = torch.where(top_k > 0, top_k.clamp(max=values.shape[1]), values.shape[1])
     in_top_k = ranks[None, :] < k[:, None]
     probs = torch.softmax(values.masked_fill(~in_top_k, float("-inf")) / temperature[:, None], dim=-1)
     # A token is kept while the mass strictly before it is below top_p; the first always is.
@@ -129,7 +138,7 @@ class Sampler:
         self._first_step = 0  # the first row's first_steps, to check that the count still holds
         self._calls = 0
         self._no_floor: torch.Tensor | None = None
-        self._filtered: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        self._filtered: tuple[torch.Tensor, torch.Tensor, torch.Tensor, int | None] | None = None
         self._slots: HostSlots | None = None
 
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> SampledTokens:
@@ -140,8 +149,9 @@ class Sampler:
         step, self._calls = self._calls, self._calls + 1
         floor = self._no_floor
         if self._filtered is not None:
-            index, top_k, top_p = self._filtered
-            floor = floor.index_put((index,), min_logits(logits[index], self._rows.temperature[index], top_k, top_p))
+            index, top_k, top_p, width = self._filtered
+            kept = min_logits(logits[index], self._rows.temperature[index], top_k, top_p, width)
+            floor = floor.index_put((index,), kept)
         tokens, logprobs = ops.sample_tokens(logits, self._rows, step, floor, self.processed_logprobs)
         if tokens.is_cuda and (self._slots is None or self._slots.rows < len(seqs)):
             self._slots = HostSlots(max(len(seqs), 2 * (self._slots.rows if self._slots else 0)))
@@ -171,8 +181,10 @@ class Sampler:
         filtered = [i for i, p in enumerate(params) if not p.greedy and (p.top_k_enabled or p.top_p < 1.0)]
         self._filtered = None
         if filtered:
+            top_ks = [params[i].top_k for i in filtered]
             self._filtered = (
                 torch.tensor(filtered, device=device),
-                torch.tensor([params[i].top_k for i in filtered], device=device),
+                torch.tensor(top_ks, device=device),
                 torch.tensor([params[i].top_p for i in filtered], dtype=torch.float32, device=device),
+                max(top_ks) if min(top_ks) > 0 else None,  # a partial sort does when every row has a top-k
             )
