@@ -1,9 +1,10 @@
 """Sampling on raw logits: top-k / top-p floors, seeded Gumbel noise, raw and processed log-probs."""
 
+import pytest
 import torch
 
 from arctic_rl_core.engines.sampling.native import ops
-from arctic_rl_core.engines.sampling.native.sampler import min_logits, noise_key
+from arctic_rl_core.engines.sampling.native.sampler import HostSlots, SampledTokens, min_logits, noise_key
 
 
 def sampling_rows(temperature, banned, min_tokens=None, first_steps=0) -> ops.SamplingRows:
@@ -96,3 +97,20 @@ def test_a_batch_step_is_a_token_number_for_noise_and_for_the_min_tokens_ban():
     assert (later[0] >= 4).all()  # token number 3 < min_tokens: ids 0-3 banned
     free = ops.sample_tokens(logits, sampling_rows(torch.ones(64), banned, [5] * 64, first_steps=3), 2, logits[:, 0])
     assert (free[0] < 4).any()  # token number 5: min_tokens reached, the ban is over
+
+
+def test_steps_come_back_through_reused_host_slots_and_a_read_after_reuse_raises():
+    """(On CUDA the slots are pinned and the copies asynchronous; tests/gpu checks that.)"""
+    slots = HostSlots(4, pin_memory=False)
+    steps = [
+        SampledTokens.copy_to_host(torch.full((3,), i), torch.full((3,), -float(i)), slots)
+        for i in range(HostSlots.SLOTS)
+    ]
+    assert steps[0].values() == ([0] * 3, [0.0] * 3)
+    later = SampledTokens.copy_to_host(torch.full((2,), 9), torch.full((2,), -9.0), slots)  # slot 0 again
+    assert steps[0].values() == ([0] * 3, [0.0] * 3)  # read before the reuse: kept
+    assert later.values() == ([9] * 2, [-9.0] * 2)
+    assert steps[2].values() == ([2] * 3, [-2.0] * 3)
+    SampledTokens.copy_to_host(torch.zeros(1), torch.zeros(1), slots)  # slot 1 again
+    with pytest.raises(RuntimeError, match="reused"):
+        steps[1].values()

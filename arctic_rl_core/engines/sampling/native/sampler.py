@@ -69,9 +69,9 @@ class HostSlots:
 
     SLOTS = 3
 
-    def __init__(self, rows: int):
-        self.tokens = [torch.empty(rows, dtype=torch.int64, pin_memory=True) for _ in range(self.SLOTS)]
-        self.logprobs = [torch.empty(rows, dtype=torch.float32, pin_memory=True) for _ in range(self.SLOTS)]
+    def __init__(self, rows: int, pin_memory: bool = True):
+        self.tokens = [torch.empty(rows, dtype=torch.int64, pin_memory=pin_memory) for _ in range(self.SLOTS)]
+        self.logprobs = [torch.empty(rows, dtype=torch.float32, pin_memory=pin_memory) for _ in range(self.SLOTS)]
         self.uses = [0] * self.SLOTS
         self.calls = 0
 
@@ -101,27 +101,31 @@ class SampledTokens:
 
     @classmethod
     def copy_to_host(cls, tokens: torch.Tensor, logprobs: torch.Tensor, slots: HostSlots | None) -> "SampledTokens":
-        if not tokens.is_cuda:
+        """Start the copy into the next of ``slots`` (None: the tokens stay where they are, read directly)."""
+        if slots is None:
             return cls(tokens, logprobs)
         slot, use = slots.take()
         rows = len(tokens)
         slots.tokens[slot][:rows].copy_(tokens, non_blocking=True)
         slots.logprobs[slot][:rows].copy_(logprobs, non_blocking=True)
-        copied = torch.cuda.Event()
-        copied.record()
+        copied = None
+        if tokens.is_cuda:
+            copied = torch.cuda.Event()
+            copied.record()
         return cls(tokens, logprobs, slots, (slot, use), copied)
 
     def values(self) -> tuple[list[int], list[float]]:
         """Token ids and log-probs as lists; waits for the device if the step is still running."""
         if self._values is not None:
             return self._values
-        if self._copied is None:
+        if self._slots is None:
             self._values = self.tokens.tolist(), self.logprobs.tolist()
             return self._values
         slot, use = self._slot
         if self._slots.uses[slot] != use:
             raise RuntimeError("a sampled step was read after its host buffer was reused by a later step")
-        self._copied.synchronize()
+        if self._copied is not None:
+            self._copied.synchronize()
         rows = len(self.tokens)
         self._values = self._slots.tokens[slot][:rows].tolist(), self._slots.logprobs[slot][:rows].tolist()
         return self._values
@@ -153,7 +157,9 @@ class Sampler:
             kept = min_logits(logits[index], self._rows.temperature[index], top_k, top_p, width)
             floor = floor.index_put((index,), kept)
         tokens, logprobs = ops.sample_tokens(logits, self._rows, step, floor, self.processed_logprobs)
-        if tokens.is_cuda and (self._slots is None or self._slots.rows < len(seqs)):
+        if not tokens.is_cuda:
+            return SampledTokens.copy_to_host(tokens, logprobs, None)  # on the host already
+        if self._slots is None or self._slots.rows < len(seqs):
             self._slots = HostSlots(max(len(seqs), 2 * (self._slots.rows if self._slots else 0)))
         return SampledTokens.copy_to_host(tokens, logprobs, self._slots)
 
