@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from arctic_rl_core.engines.sampling.native import ops
-from arctic_rl_core.engines.sampling.native.sampler import HostSlots, SampledTokens, min_logits, noise_key
+from arctic_rl_core.engines.sampling.native.sampler import HostSlots, SampledTokens, min_logits, noise_key, upload
 
 
 def sampling_rows(temperature, banned, min_tokens=None, first_steps=0) -> ops.SamplingRows:
@@ -114,3 +114,20 @@ def test_steps_come_back_through_reused_host_slots_and_a_read_after_reuse_raises
     SampledTokens.copy_to_host(torch.zeros(1), torch.zeros(1), slots)  # slot 1 again
     with pytest.raises(RuntimeError, match="reused"):
         steps[1].values()
+
+
+def test_upload_returns_each_table_unchanged_from_one_packed_copy():
+    """Odd byte lengths (3 int8s, 5 float32s) and empty tables keep every later view 8-byte aligned and exact."""
+    tables = [
+        torch.tensor([1, -2, 3], dtype=torch.int8),
+        torch.arange(5, dtype=torch.float32) / 3,
+        torch.tensor([[2**40, -1], [7, 0]], dtype=torch.int64),
+        torch.zeros(0, dtype=torch.int64),
+        torch.full((2, 0), -1, dtype=torch.int32),
+        torch.tensor([[-1, 4, 5]], dtype=torch.int32),
+    ]
+    uploaded = upload(torch.device("cpu"), *tables)
+    base = uploaded[0].untyped_storage().data_ptr()
+    for before, after in zip(tables, uploaded):
+        assert after.dtype == before.dtype and after.shape == before.shape and torch.equal(after, before)
+        assert after.untyped_storage().data_ptr() == base  # one buffer, so one copy to a device

@@ -147,6 +147,7 @@ def mix32(x: torch.Tensor) -> torch.Tensor:
 
 
 STEP_STRIDE = 0x9E3779B9  # a row's key at step s: mix32(noise_key + s * STEP_STRIDE)
+TOKEN_STRIDE = 0x61C88647  # token v's bits under a row's key k: mix32(k + v * TOKEN_STRIDE)
 
 
 def row_keys(noise_keys: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
@@ -157,7 +158,7 @@ def row_keys(noise_keys: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
 def gumbel_noise(row_keys: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """Gumbel(0, 1) noise ``[rows, vocab]``, a pure function of each row's 32-bit key and the token index."""
     index = torch.arange(vocab_size, device=row_keys.device, dtype=torch.int64)
-    bits = mix32((row_keys[:, None] + index[None, :] * 0x61C88647) & MASK32)
+    bits = mix32((row_keys[:, None] + index[None, :] * TOKEN_STRIDE) & MASK32)
     uniform = ((bits >> 8).float() + 0.5) * (1.0 / (1 << 24))
     return -torch.log(-torch.log(uniform))
 

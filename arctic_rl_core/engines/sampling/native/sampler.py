@@ -100,10 +100,8 @@ class SampledTokens:
     _values: tuple[list[int], list[float]] | None = None
 
     @classmethod
-    def copy_to_host(cls, tokens: torch.Tensor, logprobs: torch.Tensor, slots: HostSlots | None) -> "SampledTokens":
-        """Start the copy into the next of ``slots`` (None: the tokens stay where they are, read directly)."""
-        if slots is None:
-            return cls(tokens, logprobs)
+    def copy_to_host(cls, tokens: torch.Tensor, logprobs: torch.Tensor, slots: HostSlots) -> "SampledTokens":
+        """Start the copy into the next of ``slots``."""
         slot, use = slots.take()
         rows = len(tokens)
         slots.tokens[slot][:rows].copy_(tokens, non_blocking=True)
@@ -129,6 +127,19 @@ class SampledTokens:
         rows = len(self.tokens)
         self._values = self._slots.tokens[slot][:rows].tolist(), self._slots.logprobs[slot][:rows].tolist()
         return self._values
+
+
+def upload(device: torch.device, *tensors: torch.Tensor) -> list[torch.Tensor]:
+    """``tensors`` on ``device`` through one copy of their bytes packed together: a batch's small tables
+    cost one transfer, not one each. Each comes back as a view of the packed copy, 8-byte aligned."""
+    spans, chunks, offset = [], [], 0
+    for t in tensors:
+        raw = t.contiguous().view(-1).view(torch.uint8)
+        spans.append((offset, len(raw)))
+        chunks += [raw, torch.zeros(-len(raw) % 8, dtype=torch.uint8)]
+        offset += len(raw) + len(chunks[-1])
+    packed = torch.cat(chunks).to(device)
+    return [packed[o : o + n].view(t.dtype).view(t.shape) for (o, n), t in zip(spans, tensors)]
 
 
 class Sampler:
@@ -158,7 +169,7 @@ class Sampler:
             floor = floor.index_put((index,), kept)
         tokens, logprobs = ops.sample_tokens(logits, self._rows, step, floor, self.processed_logprobs)
         if not tokens.is_cuda:
-            return SampledTokens.copy_to_host(tokens, logprobs, None)  # on the host already
+            return SampledTokens(tokens, logprobs)  # on the host already, read directly
         if self._slots is None or self._slots.rows < len(seqs):
             self._slots = HostSlots(max(len(seqs), 2 * (self._slots.rows if self._slots else 0)))
         return SampledTokens.copy_to_host(tokens, logprobs, self._slots)
@@ -175,22 +186,26 @@ class Sampler:
         banned = torch.full((len(seqs), max(map(len, bans), default=0)), -1, dtype=torch.int32)
         for i, ids in enumerate(bans):
             banned[i, : len(ids)] = torch.tensor(ids, dtype=torch.int32)
-        device = self.device
-        self._rows = ops.SamplingRows(
-            temperature=torch.tensor(temperatures, dtype=torch.float32).to(device),
-            noise_keys=torch.tensor([s.noise_key for s in seqs], dtype=torch.int64).to(device),
-            first_steps=torch.tensor([s.num_completion_tokens for s in seqs], dtype=torch.int64).to(device),
-            banned=banned.to(device),
-            min_tokens=torch.tensor([p.min_tokens for p in params], dtype=torch.int64).to(device),
-        )
-        self._no_floor = torch.full((len(seqs),), float("-inf"), device=device)
         filtered = [i for i, p in enumerate(params) if not p.greedy and (p.top_k_enabled or p.top_p < 1.0)]
+        top_ks = [params[i].top_k for i in filtered]
+        (temperature, noise_keys, first_steps, banned, min_tokens, self._no_floor, index, top_k, top_p) = upload(
+            self.device,
+            torch.tensor(temperatures, dtype=torch.float32),
+            torch.tensor([s.noise_key for s in seqs], dtype=torch.int64),
+            torch.tensor([s.num_completion_tokens for s in seqs], dtype=torch.int64),
+            banned,
+            torch.tensor([p.min_tokens for p in params], dtype=torch.int64),
+            torch.full((len(seqs),), float("-inf")),
+            torch.tensor(filtered, dtype=torch.int64),
+            torch.tensor(top_ks, dtype=torch.int64),
+            torch.tensor([params[i].top_p for i in filtered], dtype=torch.float32),
+        )
+        self._rows = ops.SamplingRows(temperature, noise_keys, first_steps, banned, min_tokens)
         self._filtered = None
         if filtered:
-            top_ks = [params[i].top_k for i in filtered]
             self._filtered = (
-                torch.tensor(filtered, device=device),
-                torch.tensor(top_ks, device=device),
-                torch.tensor([params[i].top_p for i in filtered], dtype=torch.float32, device=device),
+                index,
+                top_k,
+                top_p,
                 max(top_ks) if min(top_ks) > 0 else None,  # a partial sort does when every row has a top-k
             )

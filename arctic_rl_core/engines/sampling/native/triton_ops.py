@@ -13,7 +13,12 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
+from arctic_rl_core.engines.sampling.native import ops
 from arctic_rl_core.zorro.attention.triton_attention import supports_pdl
+
+# The noise hash's strides, as ops.row_keys and ops.gumbel_noise use them.
+_STEP_STRIDE = tl.constexpr(ops.STEP_STRIDE)
+_TOKEN_STRIDE = tl.constexpr(ops.TOKEN_STRIDE)
 
 
 def _launch_options(device: torch.device) -> dict:
@@ -183,7 +188,7 @@ def _sample_split_kernel(
     floor = tl.load(MIN_LOGIT + row)
     token_number = tl.load(FIRST_STEPS + row) + step
     # ops.row_keys, in int64 (exact) up to the 32-bit mask.
-    key = _mix32(((tl.load(NOISE_KEYS + row) + token_number * 0x9E3779B9) & 0xFFFFFFFF).to(tl.uint32))
+    key = _mix32(((tl.load(NOISE_KEYS + row) + token_number * _STEP_STRIDE) & 0xFFFFFFFF).to(tl.uint32))
     bans_over = token_number >= tl.load(MIN_TOKENS + row)
     run_max = float("-inf")
     run_sum = 0.0
@@ -194,7 +199,7 @@ def _sample_split_kernel(
         valid = index < vocab
         x = tl.load(LOGITS + row * stride_l + index, mask=valid, other=float("-inf")).to(tl.float32)
         # Same hash as ops.gumbel_noise, in native uint32 arithmetic.
-        h = _mix32(key + index.to(tl.uint32) * 0x61C88647)
+        h = _mix32(key + index.to(tl.uint32) * _TOKEN_STRIDE)
         uniform = ((h >> 8).to(tl.float32) + 0.5) * (1.0 / 16777216.0)
         gumbel = -tl.log(-tl.log(uniform))
         allowed = valid & (x >= floor)
