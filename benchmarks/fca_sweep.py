@@ -26,6 +26,7 @@ def variants(quick: bool) -> list[tuple[TileShape, float]]:
     rows64 = dataclasses.replace(default, wide_rows=64, wide_warps=4, chunk_per_row=4, wide_maxnreg=None)
     out = [
         (default, 1.0),
+        (dataclasses.replace(default, early_loads=False), 1.0),  # every load after the wait for the kernel before
         (default, 2.0),
         (default, 0.5),  # one unit per resident program: longer prefix chunks, no second round of suffix units
         (dataclasses.replace(default, chunk_per_row=1), 1.0),
@@ -33,7 +34,7 @@ def variants(quick: bool) -> list[tuple[TileShape, float]]:
         (dataclasses.replace(default, wide_maxnreg=None), 1.0),
         (rows64, 1.0),
     ]
-    return out[:2] if quick else out
+    return out[:3] if quick else out
 
 
 def measure(batch: dict, tiles: TileShape, target: int) -> dict:
@@ -54,7 +55,7 @@ def measure(batch: dict, tiles: TileShape, target: int) -> dict:
 
         def run(layer, device_plan=device_plan, workspace=workspace, out=out, wide=wide, merge=merge):
             kernel.paged_attention(q, *caches[layer], batch["block_tables"], batch["positions"], device_plan,
-                                   workspace, SCALE, tiles, wide=wide, merge=merge, out=out)  # fmt: skip
+                                   workspace, SCALE, tiles, wide=wide, merge=merge, out=out, decode=True)  # fmt: skip
 
         result[name] = graph_us(run)
         outs[name] = out
@@ -84,7 +85,8 @@ def main() -> None:
             except Exception as e:  # a variant that fails to compile or run is reported, not fatal
                 cells.append(f"{label}: {type(e).__name__}: {str(e)[:120]}")
         print(f"rows {tiles.wide_rows:3d} w{tiles.wide_warps} bn {tiles.block_n:3d} st {tiles.stages} "
-              f"cpr {tiles.chunk_per_row} reg {tiles.wide_maxnreg or 0:3d} pdl {tiles.pdl:d} tgt {target:3d} "
+              f"cpr {tiles.chunk_per_row} reg {tiles.wide_maxnreg or 0:3d} pdl {tiles.pdl:d} early {tiles.early_loads:d} "
+              f"tgt {target:3d} "
               f"programs {sorted(set(kernel._RESIDENT.values()))} "
               f"({time.perf_counter() - start:4.1f}s) | " + " | ".join(cells), flush=True)  # fmt: skip
 

@@ -34,14 +34,16 @@ def _forest_batch(prefix_blocks=40, groups=3, per_group=5, suffix_tokens=(33, 90
     return tables, lengths
 
 
-def _run(q, caches, tables, lengths, plan, positions, tiles):
+def _run(q, caches, tables, lengths, plan, positions, tiles, decode=True):
     from arctic_rl_core.zorro.attention import triton_attention as kernel
 
     width = max(map(len, tables))
     block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32, device="cuda")
     device_plan = kernel.DevicePlan.from_plan(plan, "cuda")
     workspace = kernel.Workspace.allocate(plan.num_partial_rows, q.shape[1], D, "cuda")
-    out = kernel.paged_attention(q, *caches, block_tables, positions, device_plan, workspace, D**-0.5, tiles)
+    out = kernel.paged_attention(
+        q, *caches, block_tables, positions, device_plan, workspace, D**-0.5, tiles, decode=decode
+    )
     return out, block_tables
 
 
@@ -74,7 +76,9 @@ def test_prefill_kernel_equals_reference(tiles):
     q = torch.randn(sum(query_lens), HKV * GROUP, D, device="cuda").to(torch.bfloat16)
     positions = [p for n, length in zip(query_lens, lengths) for p in range(length - n, length)]
     positions = torch.tensor(positions, dtype=torch.int32, device="cuda")
-    out, block_tables = _run(q, caches, tables, lengths, plan_prefill(query_lens, lengths, tiles), positions, tiles)
+    out, block_tables = _run(
+        q, caches, tables, lengths, plan_prefill(query_lens, lengths, tiles), positions, tiles, decode=False
+    )
     expected = paged_prefill_attention(q.float(), caches[0].float(), caches[1].float(), block_tables, query_lens,
                                        lengths, D**-0.5)  # fmt: skip
     torch.testing.assert_close(out.float(), expected, atol=2e-2, rtol=2e-2)
@@ -109,7 +113,9 @@ def test_graph_replay_follows_the_plan_written_into_static_buffers():
     out = torch.empty_like(q)
 
     def run():
-        kernel.paged_attention(q, *caches, block_tables, positions, static, workspace, D**-0.5, tiles, out=out)
+        kernel.paged_attention(
+            q, *caches, block_tables, positions, static, workspace, D**-0.5, tiles, out=out, decode=True
+        )
 
     run()
     graph = torch.cuda.CUDAGraph()

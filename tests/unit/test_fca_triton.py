@@ -32,12 +32,12 @@ def _setup(tables, group, seed=0):
     return k_cache, v_cache, block_tables, g
 
 
-def _run(kernel, plan, q, k_cache, v_cache, block_tables, positions, tiles):
+def _run(kernel, plan, q, k_cache, v_cache, block_tables, positions, tiles, decode=True):
     device_plan = kernel.DevicePlan.from_plan(plan, "cpu")
     workspace = kernel.Workspace.allocate(plan.num_partial_rows, q.shape[1], D, "cpu")
     out = torch.full_like(q, float("nan"))  # every row must be written
     return kernel.paged_attention(q, k_cache, v_cache, block_tables, positions, device_plan, workspace, SCALE, tiles,
-                                  out=out)  # fmt: skip
+                                  out=out, decode=decode)  # fmt: skip
 
 
 THREE_LEVELS = (
@@ -106,7 +106,7 @@ def check_prefill_kernel_is_causal_after_a_cached_prefix():
     )
     tiles = TileShape(3)
     plan = plan_prefill(query_lens, lengths, tiles)
-    out = _run(kernel, plan, q, k_cache, v_cache, block_tables, positions, tiles)
+    out = _run(kernel, plan, q, k_cache, v_cache, block_tables, positions, tiles, decode=False)
     expected = paged_prefill_attention(q, k_cache, v_cache, block_tables, query_lens, lengths, SCALE)
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
 

@@ -43,7 +43,9 @@ class TileShape:
     ``stages`` is Triton's software pipelining of the narrow tiles' loads;
     ``wide_maxnreg`` caps the wide kernel's registers so that two 8-warp
     programs fit on a multiprocessor; ``pdl`` lets the merge launch start
-    while the attention kernel drains (programmatic dependent launch).
+    while the attention kernel drains (programmatic dependent launch);
+    ``early_loads`` lets the attention kernel read its plan, positions and
+    older keys before it waits for the kernel that wrote its queries.
     """
 
     group: int
@@ -57,6 +59,7 @@ class TileShape:
     stages: int = 2
     wide_maxnreg: int | None = 128
     pdl: bool = True
+    early_loads: bool = True
 
     def __post_init__(self):
         if self.group < 1 or self.group > self.narrow_rows:

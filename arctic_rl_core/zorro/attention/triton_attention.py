@@ -81,6 +81,7 @@ def _attend_item(
     scale_log2, stride_qt, stride_qh, stride_ks, stride_kh, stride_ot, stride_oh, stride_bt,
     NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, PREFETCH: tl.constexpr,
+    first, WAIT: tl.constexpr, DECODE: tl.constexpr,
 ):  # fmt: skip
     """One work unit: a tile of queries (``BLOCK_M // GROUP`` of them, all heads of one KV head) over a KV range.
 
@@ -90,6 +91,13 @@ def _attend_item(
     waits for the block-table load every step). Narrow tiles have little
     arithmetic to hide behind, and keep Triton's pipelining and fewer
     registers (more programs per multiprocessor).
+
+    A program's ``first`` unit (with early loads) waits here for the kernel
+    before it (programmatic dependent launch, ``WAIT``), after the loads that
+    kernel cannot be writing: the plan, the block table, the query positions
+    and, in ``DECODE``, the keys and values before the earliest query (that
+    kernel wrote only the queries and their own keys and values). So the
+    chain of dependent loads that starts the unit overlaps its tail.
     """
     rows = tl.arange(0, BLOCK_M)
     dims = tl.arange(0, HEAD_DIM)
@@ -102,20 +110,35 @@ def _attend_item(
     # is cut at the queries' last position below, and positions past each query's own are masked.
     kv_end = tl.load(item + 4)
     partial_row = tl.load(item + 5)
-    if PREFETCH:
-        # The first step's K and V are requested before the queries, whose loads take as long.
-        blocks = _block_ids(table, kv_start, kv_end, BLOCK_SIZE, BLOCK_N)
-        k, v = _load_kv(K_CACHE, V_CACHE, blocks, kv_start, kv_end, kv_head, stride_ks, stride_kh, HEAD_DIM,
-                        BLOCK_SIZE, BLOCK_N)  # fmt: skip
-        blocks = _block_ids(table, kv_start + BLOCK_N, kv_end, BLOCK_SIZE, BLOCK_N)
-
     row_valid = row_query < query_count
     token = tl.load(QUERY_INDEX + query_offset + row_query, mask=row_valid, other=0).to(tl.int64)
     position = tl.load(QUERY_POS + token, mask=row_valid, other=-1)
+    if PREFETCH:
+        # The first step's K and V are requested before the queries, whose loads take as long. Multi-query
+        # items never run past their queries, so kv_end needs no cut here.
+        blocks = _block_ids(table, kv_start, kv_end, BLOCK_SIZE, BLOCK_N)
+        written_end = kv_end  # where the keys known to be written (loaded before the wait) end
+        if first:
+            if DECODE:
+                # The kernel before us wrote each query's own key, at its position: the keys before the
+                # item's earliest query are older.
+                written_end = tl.minimum(kv_end, tl.min(tl.where(row_valid, position, kv_end), axis=0))
+            else:
+                written_end = kv_start  # prefill: it wrote the keys of every new token, in other tiles too
+        k, v = _load_kv(K_CACHE, V_CACHE, blocks, kv_start, written_end, kv_head, stride_ks, stride_kh, HEAD_DIM,
+                        BLOCK_SIZE, BLOCK_N)  # fmt: skip
+        blocks = _block_ids(table, kv_start + BLOCK_N, kv_end, BLOCK_SIZE, BLOCK_N)
+    if WAIT:
+        if first:
+            gdc_wait()
+    if PREFETCH:
+        if written_end < tl.minimum(kv_end, kv_start + BLOCK_N):  # the first step holds keys written just before
+            k, v = _load_kv(K_CACHE, V_CACHE, _block_ids(table, kv_start, kv_end, BLOCK_SIZE, BLOCK_N), kv_start,
+                            kv_end, kv_head, stride_ks, stride_kh, HEAD_DIM, BLOCK_SIZE, BLOCK_N)  # fmt: skip
+
     head = kv_head * GROUP + rows % GROUP
     q = tl.load(Q + token[:, None] * stride_qt + head[:, None] * stride_qh + dims[None, :], mask=row_valid[:, None],
                 other=0.0)  # fmt: skip
-    # Only multi-query items are prefetched above, and their ranges never run past their queries.
     kv_end = tl.minimum(kv_end, tl.max(tl.where(row_valid, position, -1), axis=0) + 1)
     # Steps wholly before every query's position and the range end need no mask (all of decode but the last).
     unmasked_end = tl.minimum(kv_end, tl.min(tl.where(row_valid, position, kv_end), axis=0) + 1)
@@ -158,20 +181,27 @@ def _attend_items(
     QUERY_POS, scale_log2, stride_qt, stride_qh, stride_ks, stride_kh, stride_ot, stride_oh, stride_bt,
     NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, WIDE_M: tl.constexpr, NARROW_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    HAS_WIDE: tl.constexpr, PRECISION: tl.constexpr, USE_PDL: tl.constexpr,
+    HAS_WIDE: tl.constexpr, PRECISION: tl.constexpr, USE_PDL: tl.constexpr, EARLY: tl.constexpr,
+    DECODE: tl.constexpr,
 ):  # fmt: skip
     """Persistent over (item, KV head) work units: the wide items first (the longest), then the narrow ones.
 
     One launch for both widths lets the short suffix units fill the device
-    while the grouped prefix units run, instead of waiting for them.
+    while the grouped prefix units run, instead of waiting for them. With
+    ``EARLY`` each program waits for the kernel before it inside its first
+    unit, after that unit's early loads; else before anything.
     """
-    if USE_PDL:
+    if USE_PDL and not EARLY:
         # Launched as a programmatic dependent: the queries and the cache are the kernels' before us.
         gdc_wait()
     # Plans run with HAS_WIDE=False have no wide items, so the first branch is never taken there.
     num_wide = tl.load(COUNTS) * NUM_KV_HEADS
     num_work = num_wide + tl.load(COUNTS + 1) * NUM_KV_HEADS
     for work in range(tl.program_id(0), num_work, tl.num_programs(0)):
+        if EARLY:
+            first = work == tl.program_id(0)
+        else:
+            first = work < 0
         if work < num_wide:
             if HAS_WIDE:
                 _attend_item(
@@ -179,6 +209,7 @@ def _attend_items(
                     WIDE_ITEMS + (work // NUM_KV_HEADS) * 6, work % NUM_KV_HEADS, QUERY_INDEX, QUERY_POS,
                     scale_log2, stride_qt, stride_qh, stride_ks, stride_kh, stride_ot, stride_oh, stride_bt,
                     NUM_HEADS, GROUP, HEAD_DIM, BLOCK_SIZE, WIDE_M, BLOCK_N, PRECISION, PREFETCH=True,
+                    first=first, WAIT=USE_PDL, DECODE=DECODE,
                 )  # fmt: skip
         else:
             unit = work - num_wide
@@ -187,8 +218,11 @@ def _attend_items(
                 NARROW_ITEMS + (unit // NUM_KV_HEADS) * 6, unit % NUM_KV_HEADS, QUERY_INDEX, QUERY_POS,
                 scale_log2, stride_qt, stride_qh, stride_ks, stride_kh, stride_ot, stride_oh, stride_bt,
                 NUM_HEADS, GROUP, HEAD_DIM, BLOCK_SIZE, NARROW_M, BLOCK_N, PRECISION, PREFETCH=False,
+                first=first, WAIT=USE_PDL, DECODE=DECODE,
             )  # fmt: skip
     if USE_PDL:
+        # A program with no unit waits too: the kernels after us count on everything before us being done.
+        gdc_wait()
         # This program is done: the merge's programs may take its place and read their indices early.
         gdc_launch_dependents()
 
@@ -324,12 +358,15 @@ def paged_attention(
     wide: bool = True,
     merge: bool = True,
     out: torch.Tensor | None = None,
+    decode: bool = False,
 ) -> torch.Tensor:
     """Run ``plan`` over the paged cache; ``q``/``out`` are ``[tokens, num_heads, head_dim]``.
 
     ``wide=False`` compiles the kernel without the wide-tile path (plans with
     no group items: plain decode), ``merge=False`` skips the merge launch
-    (plans whose items all write directly: prefill).
+    (plans whose items all write directly: prefill). ``decode``: every query
+    is its request's only new token (its key is the only one the kernel
+    before wrote), so older keys may be read before waiting for that kernel.
     """
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
@@ -349,7 +386,7 @@ def paged_attention(
         NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, GROUP=tiles.group, HEAD_DIM=head_dim,
         BLOCK_SIZE=k_cache.shape[1], WIDE_M=tiles.wide_rows, NARROW_M=tiles.narrow_rows, BLOCK_N=tiles.block_n,
         HAS_WIDE=wide, PRECISION="ieee" if q.dtype == torch.float32 else "tf32", USE_PDL=use_pdl,
-        num_warps=warps, num_stages=tiles.stages,
+        EARLY=tiles.early_loads, DECODE=decode, num_warps=warps, num_stages=tiles.stages,
     )  # fmt: skip
     if wide and tiles.wide_maxnreg:
         options["maxnreg"] = tiles.wide_maxnreg
