@@ -33,6 +33,9 @@ def variants(quick: bool) -> list[tuple[TileShape, float]]:
         (dataclasses.replace(default, pdl=False), 1.0),
         (dataclasses.replace(default, wide_maxnreg=None), 1.0),
         (rows64, 1.0),
+        (dataclasses.replace(default, block_n=128, wide_maxnreg=None), 1.0),  # half the steps, one program per SM
+        (dataclasses.replace(default, block_n=32), 1.0),
+        (dataclasses.replace(default, stages=3), 1.0),  # deeper pipelining of the narrow (suffix) tiles
     ]
     return out[:3] if quick else out
 
