@@ -46,7 +46,7 @@ THREE_LEVELS = (
 )
 
 
-def check_cascade_decode_kernel_equals_plain_attention(group, target_items):
+def check_cascade_decode_kernel_equals_plain_attention(group, target_items, narrow_prefetch=False):
     kernel = _kernel()
     tables, lengths = THREE_LEVELS
     forest = build_forest(tables, lengths, BS)
@@ -54,7 +54,7 @@ def check_cascade_decode_kernel_equals_plain_attention(group, target_items):
     k_cache, v_cache, block_tables, g = _setup(tables, group)
     q = torch.randn(len(tables), HKV * group, D, generator=g)
     # Narrow tiles of 4 rows (interpreter only; GPUs need 16) so that groups exercise both tile widths.
-    tiles = TileShape(group, wide_rows=32, narrow_rows=4)
+    tiles = TileShape(group, wide_rows=32, narrow_rows=4, narrow_prefetch=narrow_prefetch)
     plan = plan_decode(forest, lengths, tiles, target_items=target_items)
     assert len(plan.wide_items) > 0
     assert any(count > 1 for count in plan.narrow_items[:, 1]) or group > 1
@@ -78,16 +78,19 @@ def check_plain_decode_kernel_with_split_contexts_equals_reference():
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
 
 
-def check_a_decode_plan_serves_later_steps_up_to_its_capacity(target_items):
+def check_a_decode_plan_serves_later_steps_up_to_its_capacity(target_items, narrow_prefetch=False):
     """The engine reuses a step's plan while contexts grow within it: the kernel cuts each item at its query."""
     kernel = _kernel()
     tables, lengths = THREE_LEVELS
     tables = [table + [42 + i] for i, table in enumerate(tables)]  # a free block each, to grow into
-    tiles = TileShape(3, wide_rows=32, narrow_rows=4)
+    tiles = TileShape(3, wide_rows=32, narrow_rows=4, narrow_prefetch=narrow_prefetch)
     plan = plan_decode(build_forest(tables, lengths, BS), lengths, tiles, target_items=target_items)
     grown = [n + 3 for n in lengths]
     assert all(n <= room for n, room in zip(grown, plan.capacity))
     k_cache, v_cache, block_tables, g = _setup(tables, 3)
+    for table, n in zip(tables, grown):  # a key or value read past a query's position poisons its output
+        for pos in range(n, len(table) * BS):
+            k_cache[table[pos // BS], pos % BS] = v_cache[table[pos // BS], pos % BS] = float("nan")
     q = torch.randn(len(tables), HKV * 3, D, generator=g)
     positions = torch.tensor([n - 1 for n in grown], dtype=torch.int32)
     out = _run(kernel, plan, q, k_cache, v_cache, block_tables, positions, tiles)
@@ -124,6 +127,9 @@ CHECKS = {
         for t in (1, 64)
     },
     "prefill_causal": (check_prefill_kernel_is_causal_after_a_cached_prefix, ()),
+    # Narrow tiles' loads run ahead by hand, over suffix ranges that end past their queries.
+    "cascade_decode[narrow_prefetch]": (check_cascade_decode_kernel_equals_plain_attention, (3, 64, True)),
+    "decode_plan_reused[narrow_prefetch]": (check_a_decode_plan_serves_later_steps_up_to_its_capacity, (64, True)),
 }
 
 

@@ -45,7 +45,9 @@ class TileShape:
     programs fit on a multiprocessor; ``pdl`` lets the merge launch start
     while the attention kernel drains (programmatic dependent launch);
     ``early_loads`` lets the attention kernel read its plan, positions and
-    older keys before it waits for the kernel that wrote its queries.
+    older keys before it waits for the kernel that wrote its queries;
+    ``narrow_prefetch`` runs the narrow tiles' loads ahead by hand, as the
+    wide tiles' always are.
     """
 
     group: int
@@ -60,6 +62,7 @@ class TileShape:
     wide_maxnreg: int | None = 128
     pdl: bool = True
     early_loads: bool = True
+    narrow_prefetch: bool = False
 
     def __post_init__(self):
         if self.group < 1 or self.group > self.narrow_rows:

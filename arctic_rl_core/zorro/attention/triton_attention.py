@@ -90,7 +90,8 @@ def _attend_item(
     hides behind the previous step's matrix work (Triton's own pipelining
     waits for the block-table load every step). Narrow tiles have little
     arithmetic to hide behind, and keep Triton's pipelining and fewer
-    registers (more programs per multiprocessor).
+    registers (more programs per multiprocessor), unless the tile shape's
+    ``narrow_prefetch`` says otherwise.
 
     A program's ``first`` unit (with early loads) waits here for the kernel
     before it (programmatic dependent launch, ``WAIT``), after the loads that
@@ -113,9 +114,9 @@ def _attend_item(
     row_valid = row_query < query_count
     token = tl.load(QUERY_INDEX + query_offset + row_query, mask=row_valid, other=0).to(tl.int64)
     position = tl.load(QUERY_POS + token, mask=row_valid, other=-1)
+    kv_end = tl.minimum(kv_end, tl.max(tl.where(row_valid, position, -1), axis=0) + 1)
     if PREFETCH:
-        # The first step's K and V are requested before the queries, whose loads take as long. Multi-query
-        # items never run past their queries, so kv_end needs no cut here.
+        # The first step's K and V are requested before the queries, whose loads take as long.
         blocks = _block_ids(table, kv_start, kv_end, BLOCK_SIZE, BLOCK_N)
         written_end = kv_end  # where the keys known to be written (loaded before the wait) end
         if first:
@@ -139,7 +140,6 @@ def _attend_item(
     head = kv_head * GROUP + rows % GROUP
     q = tl.load(Q + token[:, None] * stride_qt + head[:, None] * stride_qh + dims[None, :], mask=row_valid[:, None],
                 other=0.0)  # fmt: skip
-    kv_end = tl.minimum(kv_end, tl.max(tl.where(row_valid, position, -1), axis=0) + 1)
     # Steps wholly before every query's position and the range end need no mask (all of decode but the last).
     unmasked_end = tl.minimum(kv_end, tl.min(tl.where(row_valid, position, kv_end), axis=0) + 1)
 
@@ -182,7 +182,7 @@ def _attend_items(
     NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, WIDE_M: tl.constexpr, NARROW_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_WIDE: tl.constexpr, PRECISION: tl.constexpr, USE_PDL: tl.constexpr, EARLY: tl.constexpr,
-    DECODE: tl.constexpr,
+    DECODE: tl.constexpr, NARROW_PREFETCH: tl.constexpr,
 ):  # fmt: skip
     """Persistent over (item, KV head) work units: the wide items first (the longest), then the narrow ones.
 
@@ -217,7 +217,7 @@ def _attend_items(
                 Q, K_CACHE, V_CACHE, OUT, PART_O, PART_LSE, BLOCK_TABLES,
                 NARROW_ITEMS + (unit // NUM_KV_HEADS) * 6, unit % NUM_KV_HEADS, QUERY_INDEX, QUERY_POS,
                 scale_log2, stride_qt, stride_qh, stride_ks, stride_kh, stride_ot, stride_oh, stride_bt,
-                NUM_HEADS, GROUP, HEAD_DIM, BLOCK_SIZE, NARROW_M, BLOCK_N, PRECISION, PREFETCH=False,
+                NUM_HEADS, GROUP, HEAD_DIM, BLOCK_SIZE, NARROW_M, BLOCK_N, PRECISION, PREFETCH=NARROW_PREFETCH,
                 first=first, WAIT=USE_PDL, DECODE=DECODE,
             )  # fmt: skip
     if USE_PDL:
@@ -386,7 +386,7 @@ def paged_attention(
         NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, GROUP=tiles.group, HEAD_DIM=head_dim,
         BLOCK_SIZE=k_cache.shape[1], WIDE_M=tiles.wide_rows, NARROW_M=tiles.narrow_rows, BLOCK_N=tiles.block_n,
         HAS_WIDE=wide, PRECISION="ieee" if q.dtype == torch.float32 else "tf32", USE_PDL=use_pdl,
-        EARLY=tiles.early_loads, DECODE=decode, num_warps=warps, num_stages=tiles.stages,
+        EARLY=tiles.early_loads, DECODE=decode, NARROW_PREFETCH=tiles.narrow_prefetch, num_warps=warps, num_stages=tiles.stages,
     )  # fmt: skip
     if wide and tiles.wide_maxnreg:
         options["maxnreg"] = tiles.wide_maxnreg
