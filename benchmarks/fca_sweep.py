@@ -37,6 +37,8 @@ def variants(quick: bool) -> list[tuple[TileShape, float]]:
         (dataclasses.replace(default, block_n=32), 1.0),
         (dataclasses.replace(default, stages=3), 1.0),  # deeper pipelining of the narrow (suffix) tiles
         (dataclasses.replace(default, narrow_prefetch=True), 1.0),
+        (dataclasses.replace(default, wide_stages=3), 1.0),  # wide tiles through Triton's pipelining instead
+        (dataclasses.replace(default, wide_stages=4, wide_maxnreg=None), 1.0),
     ]
     return out[:3] if quick else out
 
@@ -90,7 +92,7 @@ def main() -> None:
                 cells.append(f"{label}: {type(e).__name__}: {str(e)[:120]}")
         print(f"rows {tiles.wide_rows:3d} w{tiles.wide_warps} bn {tiles.block_n:3d} st {tiles.stages} "
               f"cpr {tiles.chunk_per_row} reg {tiles.wide_maxnreg or 0:3d} pdl {tiles.pdl:d} "
-              f"early {tiles.early_loads:d} nprf {tiles.narrow_prefetch:d} tgt {target:3d} "
+              f"early {tiles.early_loads:d} nprf {tiles.narrow_prefetch:d} wst {tiles.wide_stages} tgt {target:3d} "
               f"programs {sorted(set(kernel._RESIDENT.values()))} "
               f"({time.perf_counter() - start:4.1f}s) | " + " | ".join(cells), flush=True)  # fmt: skip
 

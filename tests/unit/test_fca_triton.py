@@ -46,7 +46,7 @@ THREE_LEVELS = (
 )
 
 
-def check_cascade_decode_kernel_equals_plain_attention(group, target_items, narrow_prefetch=False):
+def check_cascade_decode_kernel_equals_plain_attention(group, target_items, narrow_prefetch=False, wide_stages=0):
     kernel = _kernel()
     tables, lengths = THREE_LEVELS
     forest = build_forest(tables, lengths, BS)
@@ -54,7 +54,7 @@ def check_cascade_decode_kernel_equals_plain_attention(group, target_items, narr
     k_cache, v_cache, block_tables, g = _setup(tables, group)
     q = torch.randn(len(tables), HKV * group, D, generator=g)
     # Narrow tiles of 4 rows (interpreter only; GPUs need 16) so that groups exercise both tile widths.
-    tiles = TileShape(group, wide_rows=32, narrow_rows=4, narrow_prefetch=narrow_prefetch)
+    tiles = TileShape(group, wide_rows=32, narrow_rows=4, narrow_prefetch=narrow_prefetch, wide_stages=wide_stages)
     plan = plan_decode(forest, lengths, tiles, target_items=target_items)
     assert len(plan.wide_items) > 0
     assert any(count > 1 for count in plan.narrow_items[:, 1]) or group > 1
@@ -129,6 +129,7 @@ CHECKS = {
     "prefill_causal": (check_prefill_kernel_is_causal_after_a_cached_prefix, ()),
     # Narrow tiles' loads run ahead by hand, over suffix ranges that end past their queries.
     "cascade_decode[narrow_prefetch]": (check_cascade_decode_kernel_equals_plain_attention, (3, 64, True)),
+    "cascade_decode[wide_stages]": (check_cascade_decode_kernel_equals_plain_attention, (3, 64, False, 3)),
     "decode_plan_reused[narrow_prefetch]": (check_a_decode_plan_serves_later_steps_up_to_its_capacity, (64, True)),
 }
 

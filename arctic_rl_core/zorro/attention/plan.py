@@ -47,7 +47,8 @@ class TileShape:
     ``early_loads`` lets the attention kernel read its plan, positions and
     older keys before it waits for the kernel that wrote its queries;
     ``narrow_prefetch`` runs the narrow tiles' loads ahead by hand, as the
-    wide tiles' always are.
+    wide tiles' are unless ``wide_stages`` (> 0) gives them Triton's
+    pipelining with that many stages.
     """
 
     group: int
@@ -63,6 +64,7 @@ class TileShape:
     pdl: bool = True
     early_loads: bool = True
     narrow_prefetch: bool = False
+    wide_stages: int = 0
 
     def __post_init__(self):
         if self.group < 1 or self.group > self.narrow_rows:

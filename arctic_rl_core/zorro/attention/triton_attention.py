@@ -81,7 +81,7 @@ def _attend_item(
     scale_log2, stride_qt, stride_qh, stride_ks, stride_kh, stride_ot, stride_oh, stride_bt,
     NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, PREFETCH: tl.constexpr,
-    first, WAIT: tl.constexpr, DECODE: tl.constexpr,
+    LOOP_STAGES: tl.constexpr, first, WAIT: tl.constexpr, DECODE: tl.constexpr,
 ):  # fmt: skip
     """One work unit: a tile of queries (``BLOCK_M // GROUP`` of them, all heads of one KV head) over a KV range.
 
@@ -89,9 +89,10 @@ def _attend_item(
     block ids two steps, K and V one step, so each step's memory latency
     hides behind the previous step's matrix work (Triton's own pipelining
     waits for the block-table load every step). Narrow tiles have little
-    arithmetic to hide behind, and keep Triton's pipelining and fewer
-    registers (more programs per multiprocessor), unless the tile shape's
-    ``narrow_prefetch`` says otherwise.
+    arithmetic to hide behind, and keep Triton's pipelining (``LOOP_STAGES``)
+    and fewer registers (more programs per multiprocessor), unless the tile
+    shape's ``narrow_prefetch`` says otherwise; its ``wide_stages`` gives the
+    wide tiles Triton's pipelining instead.
 
     A program's ``first`` unit (with early loads) waits here for the kernel
     before it (programmatic dependent launch, ``WAIT``), after the loads that
@@ -155,7 +156,7 @@ def _attend_item(
                                           BLOCK_N, PRECISION)  # fmt: skip
             k, v = k_next, v_next
     else:
-        for kv0 in range(kv_start, kv_end, BLOCK_N):
+        for kv0 in tl.range(kv_start, kv_end, BLOCK_N, num_stages=LOOP_STAGES):
             blocks = _block_ids(table, kv0, kv_end, BLOCK_SIZE, BLOCK_N)
             k, v = _load_kv(K_CACHE, V_CACHE, blocks, kv0, kv_end, kv_head, stride_ks, stride_kh, HEAD_DIM,
                             BLOCK_SIZE, BLOCK_N)  # fmt: skip
@@ -182,7 +183,7 @@ def _attend_items(
     NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, WIDE_M: tl.constexpr, NARROW_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_WIDE: tl.constexpr, PRECISION: tl.constexpr, USE_PDL: tl.constexpr, EARLY: tl.constexpr,
-    DECODE: tl.constexpr, NARROW_PREFETCH: tl.constexpr,
+    DECODE: tl.constexpr, NARROW_PREFETCH: tl.constexpr, NARROW_STAGES: tl.constexpr, WIDE_STAGES: tl.constexpr,
 ):  # fmt: skip
     """Persistent over (item, KV head) work units: the wide items first (the longest), then the narrow ones.
 
@@ -208,7 +209,8 @@ def _attend_items(
                     Q, K_CACHE, V_CACHE, OUT, PART_O, PART_LSE, BLOCK_TABLES,
                     WIDE_ITEMS + (work // NUM_KV_HEADS) * 6, work % NUM_KV_HEADS, QUERY_INDEX, QUERY_POS,
                     scale_log2, stride_qt, stride_qh, stride_ks, stride_kh, stride_ot, stride_oh, stride_bt,
-                    NUM_HEADS, GROUP, HEAD_DIM, BLOCK_SIZE, WIDE_M, BLOCK_N, PRECISION, PREFETCH=True,
+                    NUM_HEADS, GROUP, HEAD_DIM, BLOCK_SIZE, WIDE_M, BLOCK_N, PRECISION, PREFETCH=WIDE_STAGES == 0,
+                    LOOP_STAGES=WIDE_STAGES,
                     first=first, WAIT=USE_PDL, DECODE=DECODE,
                 )  # fmt: skip
         else:
@@ -218,6 +220,7 @@ def _attend_items(
                 NARROW_ITEMS + (unit // NUM_KV_HEADS) * 6, unit % NUM_KV_HEADS, QUERY_INDEX, QUERY_POS,
                 scale_log2, stride_qt, stride_qh, stride_ks, stride_kh, stride_ot, stride_oh, stride_bt,
                 NUM_HEADS, GROUP, HEAD_DIM, BLOCK_SIZE, NARROW_M, BLOCK_N, PRECISION, PREFETCH=NARROW_PREFETCH,
+                LOOP_STAGES=NARROW_STAGES,
                 first=first, WAIT=USE_PDL, DECODE=DECODE,
             )  # fmt: skip
     if USE_PDL:
@@ -386,7 +389,8 @@ def paged_attention(
         NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, GROUP=tiles.group, HEAD_DIM=head_dim,
         BLOCK_SIZE=k_cache.shape[1], WIDE_M=tiles.wide_rows, NARROW_M=tiles.narrow_rows, BLOCK_N=tiles.block_n,
         HAS_WIDE=wide, PRECISION="ieee" if q.dtype == torch.float32 else "tf32", USE_PDL=use_pdl,
-        EARLY=tiles.early_loads, DECODE=decode, NARROW_PREFETCH=tiles.narrow_prefetch, num_warps=warps, num_stages=tiles.stages,
+        EARLY=tiles.early_loads, DECODE=decode, NARROW_PREFETCH=tiles.narrow_prefetch, NARROW_STAGES=tiles.stages,
+        WIDE_STAGES=tiles.wide_stages, num_warps=warps, num_stages=tiles.stages,
     )  # fmt: skip
     if wide and tiles.wide_maxnreg:
         options["maxnreg"] = tiles.wide_maxnreg
