@@ -47,11 +47,15 @@ def _run(q, caches, tables, lengths, plan, positions, tiles, decode=True):
     return out, block_tables
 
 
-# The defaults (a group of 16 requests in one 128-row tile), and 64-row tiles (9 requests each).
-TILES = [TileShape(GROUP), TileShape(GROUP, wide_rows=64, wide_warps=4, chunk_per_row=4, wide_maxnreg=None)]
+# The defaults (a group of 16 requests in one 128-row tile), 64-row tiles (9 requests each), and early loads.
+TILES = [
+    TileShape(GROUP),
+    TileShape(GROUP, wide_rows=64, wide_warps=4, chunk_per_row=4, wide_maxnreg=None),
+    TileShape(GROUP, early_loads=True),
+]
 
 
-@pytest.mark.parametrize("tiles", TILES, ids=lambda t: f"{t.wide_rows}rows")
+@pytest.mark.parametrize("tiles", TILES, ids=lambda t: f"{t.wide_rows}rows{'-early' if t.early_loads else ''}")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("use_forest", [True, False])
 def test_decode_kernel_equals_reference(dtype, use_forest, tiles):
@@ -68,7 +72,7 @@ def test_decode_kernel_equals_reference(dtype, use_forest, tiles):
     torch.testing.assert_close(out.float(), expected, atol=tol, rtol=tol)
 
 
-@pytest.mark.parametrize("tiles", TILES, ids=lambda t: f"{t.wide_rows}rows")
+@pytest.mark.parametrize("tiles", TILES, ids=lambda t: f"{t.wide_rows}rows{'-early' if t.early_loads else ''}")
 def test_prefill_kernel_equals_reference(tiles):
     caches = _cache(torch.bfloat16)
     tables = [list(range(0, 70)), list(range(100, 103)), list(range(200, 260))]

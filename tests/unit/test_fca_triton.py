@@ -46,7 +46,9 @@ THREE_LEVELS = (
 )
 
 
-def check_cascade_decode_kernel_equals_plain_attention(group, target_items, narrow_prefetch=False, wide_stages=0):
+def check_cascade_decode_kernel_equals_plain_attention(
+    group, target_items, narrow_prefetch=False, wide_stages=0, early_loads=False
+):
     kernel = _kernel()
     tables, lengths = THREE_LEVELS
     forest = build_forest(tables, lengths, BS)
@@ -54,7 +56,8 @@ def check_cascade_decode_kernel_equals_plain_attention(group, target_items, narr
     k_cache, v_cache, block_tables, g = _setup(tables, group)
     q = torch.randn(len(tables), HKV * group, D, generator=g)
     # Narrow tiles of 4 rows (interpreter only; GPUs need 16) so that groups exercise both tile widths.
-    tiles = TileShape(group, wide_rows=32, narrow_rows=4, narrow_prefetch=narrow_prefetch, wide_stages=wide_stages)
+    tiles = TileShape(group, wide_rows=32, narrow_rows=4, narrow_prefetch=narrow_prefetch, wide_stages=wide_stages,
+                      early_loads=early_loads)  # fmt: skip
     plan = plan_decode(forest, lengths, tiles, target_items=target_items)
     assert len(plan.wide_items) > 0
     assert any(count > 1 for count in plan.narrow_items[:, 1]) or group > 1
@@ -98,7 +101,7 @@ def check_a_decode_plan_serves_later_steps_up_to_its_capacity(target_items, narr
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
 
 
-def check_prefill_kernel_is_causal_after_a_cached_prefix():
+def check_prefill_kernel_is_causal_after_a_cached_prefix(early_loads=False):
     kernel = _kernel()
     tables = [[3, 4, 5, 6, 7, 8], [9, 10], [11]]
     query_lens, lengths = [19, 7, 1], [23, 7, 3]  # request 0 has 4 cached positions, request 2 has 2
@@ -107,7 +110,7 @@ def check_prefill_kernel_is_causal_after_a_cached_prefix():
     positions = torch.tensor(
         [p for n, length in zip(query_lens, lengths) for p in range(length - n, length)], dtype=torch.int32
     )
-    tiles = TileShape(3)
+    tiles = TileShape(3, early_loads=early_loads)
     plan = plan_prefill(query_lens, lengths, tiles)
     out = _run(kernel, plan, q, k_cache, v_cache, block_tables, positions, tiles, decode=False)
     expected = paged_prefill_attention(q, k_cache, v_cache, block_tables, query_lens, lengths, SCALE)
@@ -127,6 +130,10 @@ CHECKS = {
         for t in (1, 64)
     },
     "prefill_causal": (check_prefill_kernel_is_causal_after_a_cached_prefix, ()),
+    # A program's first unit reads its plan and older keys before it would wait for the kernel before; a
+    # prefill tile reloads its first step after the wait (every new token's key was just written).
+    "cascade_decode[early_loads]": (check_cascade_decode_kernel_equals_plain_attention, (3, 64, False, 0, True)),
+    "prefill_causal[early_loads]": (check_prefill_kernel_is_causal_after_a_cached_prefix, (True,)),
     # Narrow tiles' loads run ahead by hand, over suffix ranges that end past their queries.
     "cascade_decode[narrow_prefetch]": (check_cascade_decode_kernel_equals_plain_attention, (3, 64, True)),
     "cascade_decode[wide_stages]": (check_cascade_decode_kernel_equals_plain_attention, (3, 64, False, 3)),

@@ -62,7 +62,8 @@ class TileShape:
     stages: int = 2
     wide_maxnreg: int | None = 128
     pdl: bool = True
-    early_loads: bool = True
+    # Off until measured on a GPU (``benchmarks/fca_sweep.py`` runs each against the default).
+    early_loads: bool = False
     narrow_prefetch: bool = False
     wide_stages: int = 0
 
