@@ -348,6 +348,23 @@ def _resident_programs(args, options: dict, device) -> int:
     return _RESIDENT[key]
 
 
+def kernel_options(
+    tiles: TileShape, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype,
+    wide: bool, decode: bool, use_pdl: bool,
+) -> dict:  # fmt: skip
+    """``_attend_items``'s compile-time constants and launch options for one model's attention."""
+    options = dict(
+        NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, GROUP=tiles.group, HEAD_DIM=head_dim,
+        BLOCK_SIZE=block_size, WIDE_M=tiles.wide_rows, NARROW_M=tiles.narrow_rows, BLOCK_N=tiles.block_n,
+        HAS_WIDE=wide, PRECISION="ieee" if dtype == torch.float32 else "tf32", USE_PDL=use_pdl,
+        EARLY=tiles.early_loads, DECODE=decode, NARROW_PREFETCH=tiles.narrow_prefetch, NARROW_STAGES=tiles.stages,
+        WIDE_STAGES=tiles.wide_stages, num_warps=tiles.wide_warps if wide else 4, num_stages=tiles.stages,
+    )  # fmt: skip
+    if wide and tiles.wide_maxnreg:
+        options["maxnreg"] = tiles.wide_maxnreg
+    return options
+
+
 def paged_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -377,7 +394,6 @@ def paged_attention(
         out = torch.empty_like(q)
     if k_cache.stride(3) != 1 or q.stride(2) != 1 or out.stride(2) != 1:
         raise ValueError("paged_attention needs the head dimension contiguous in q, out and the caches")
-    warps = tiles.wide_warps if wide else 4
     use_pdl = tiles.pdl and supports_pdl(q.device)
     args = (
         q, k_cache, v_cache, out, workspace.partial_out, workspace.partial_lse, block_tables, plan.wide_items,
@@ -385,15 +401,7 @@ def paged_attention(
         q.stride(0), q.stride(1), k_cache.stride(1), k_cache.stride(2), out.stride(0), out.stride(1),
         block_tables.stride(0),
     )  # fmt: skip
-    options = dict(
-        NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, GROUP=tiles.group, HEAD_DIM=head_dim,
-        BLOCK_SIZE=k_cache.shape[1], WIDE_M=tiles.wide_rows, NARROW_M=tiles.narrow_rows, BLOCK_N=tiles.block_n,
-        HAS_WIDE=wide, PRECISION="ieee" if q.dtype == torch.float32 else "tf32", USE_PDL=use_pdl,
-        EARLY=tiles.early_loads, DECODE=decode, NARROW_PREFETCH=tiles.narrow_prefetch, NARROW_STAGES=tiles.stages,
-        WIDE_STAGES=tiles.wide_stages, num_warps=warps, num_stages=tiles.stages,
-    )  # fmt: skip
-    if wide and tiles.wide_maxnreg:
-        options["maxnreg"] = tiles.wide_maxnreg
+    options = kernel_options(tiles, num_heads, num_kv_heads, head_dim, k_cache.shape[1], q.dtype, wide, decode, use_pdl)
     programs = _resident_programs(args, options, q.device) if q.is_cuda else 4
     _attend_items[(programs,)](*args, **options, **({"launch_pdl": True} if use_pdl else {}))
     if merge:
