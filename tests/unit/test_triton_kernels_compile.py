@@ -12,20 +12,12 @@ import dataclasses
 import pytest
 import torch
 
-triton = pytest.importorskip("triton")
-from triton.backends.compiler import GPUTarget  # noqa: E402
-from triton.compiler import ASTSource  # noqa: E402
-
+pytest.importorskip("triton")
 from arctic_rl_core.engines.sampling.native import triton_ops  # noqa: E402
+from arctic_rl_core.triton_aot import compile_for, register_use  # noqa: E402
 from arctic_rl_core.zorro.attention import triton_attention as kernel  # noqa: E402
 from arctic_rl_core.zorro.attention.plan import TileShape  # noqa: E402
 
-HOPPER = GPUTarget("cuda", 90, 32)
-POINTERS = {
-    "Q": "*bf16", "K_CACHE": "*bf16", "V_CACHE": "*bf16", "OUT": "*bf16", "PART_O": "*bf16", "PART_LSE": "*fp32",
-    "BLOCK_TABLES": "*i32", "WIDE_ITEMS": "*i32", "NARROW_ITEMS": "*i32", "COUNTS": "*i32", "QUERY_INDEX": "*i32",
-    "QUERY_POS": "*i32", "scale_log2": "fp32",
-}  # fmt: skip
 DEFAULT = TileShape(7)  # Qwen2-0.5B: 14 query heads over 2 KV heads
 VARIANTS = {
     "default": DEFAULT,
@@ -35,20 +27,9 @@ VARIANTS = {
 }
 
 
-def _compile(fn, types: dict[str, str], constants: dict, **options):
-    """``fn`` for an H100/H200: ``types`` names the pointer and float arguments (the rest are int32)."""
-    names = fn.arg_names
-    assert set(constants) | set(types) <= set(names), f"{fn.__name__}'s arguments changed: update this test"
-    signature = {n: "constexpr" if n in constants else types.get(n, "i32") for n in names}
-    source = ASTSource(fn, signature, {(names.index(n),): v for n, v in constants.items()})
-    return triton.compile(source, target=HOPPER, options=options)
-
-
 def _compile_attention(tiles: TileShape, wide: bool, decode: bool):
     """What ``paged_attention`` launches for a bf16 Qwen2-0.5B layer (14 heads, 2 KV heads, 64 dims, 16 per block)."""
-    options = kernel.kernel_options(tiles, 14, 2, 64, 16, torch.bfloat16, wide, decode, use_pdl=True)
-    launch = {name: options.pop(name) for name in ("num_warps", "num_stages", "maxnreg") if name in options}
-    return _compile(kernel._attend_items, POINTERS, options, **launch)
+    return kernel.compile_attention(tiles, 14, 2, 64, 16, torch.bfloat16, wide, decode)
 
 
 @pytest.mark.parametrize("name", VARIANTS)
@@ -66,6 +47,20 @@ def test_plain_decode_kernel_compiles_for_hopper():
     assert len(compiled.asm["cubin"]) > 0
 
 
+def test_register_use_reads_ptxas_and_respects_the_cap():
+    capped = register_use(_compile_attention(DEFAULT, wide=True, decode=True))
+    uncapped = register_use(_compile_attention(dataclasses.replace(DEFAULT, wide_maxnreg=None), wide=True, decode=True))
+    assert 0 < capped.registers <= DEFAULT.wide_maxnreg < uncapped.registers <= 255
+    # The cap is what lets two 8-warp programs share a multiprocessor; without it only one fits.
+    assert kernel.programs_per_sm(capped.registers, 8, 0) == 2
+    assert kernel.programs_per_sm(uncapped.registers, 8, 0) == 1
+
+
+def test_compile_for_names_unknown_arguments():
+    with pytest.raises(ValueError, match="NOT_AN_ARGUMENT"):
+        compile_for(kernel._merge_partials, {"NOT_AN_ARGUMENT": "*fp32"}, {})
+
+
 @pytest.mark.parametrize("processed", [False, True], ids=["raw", "processed"])
 def test_sampling_kernels_compile_for_hopper(processed):
     rows = {
@@ -75,13 +70,13 @@ def test_sampling_kernels_compile_for_hopper(processed):
         "PART_BEST": "*fp32",
         "PART_INDEX": "*i32",
     }
-    split = _compile(
+    split = compile_for(
         triton_ops._sample_split_kernel,
         {**rows, "LOGITS": "*fp32", "MIN_LOGIT": "*fp32", "NOISE_KEYS": "*i64", "FIRST_STEPS": "*i64",
          "BANNED": "*i32", "MIN_TOKENS": "*i64"},
         dict(NUM_BANNED=3, SPLIT=triton_ops.SAMPLE_SPLIT, BLOCK=1024, PROCESSED=processed), num_warps=4,
     )  # fmt: skip
-    combine = _compile(
+    combine = compile_for(
         triton_ops._sample_combine_kernel, {**rows, "LOGITS": "*fp32", "TOKENS": "*i64", "LOGPROBS": "*fp32"},
         dict(SPLITS_PAD=64, PROCESSED=processed), num_warps=1,
     )  # fmt: skip

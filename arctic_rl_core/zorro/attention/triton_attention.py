@@ -23,6 +23,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
+from arctic_rl_core import triton_aot
 from arctic_rl_core.zorro.attention.plan import ITEM_FIELDS, AttentionPlan, TileShape
 
 LOG2E = 1.4426950408889634
@@ -109,7 +110,8 @@ def _attend_item(
     table = BLOCK_TABLES + tl.load(item + 2).to(tl.int64) * stride_bt
     kv_start = tl.load(item + 3)
     # A decode suffix's last item may end past its query (the plan keeps room for later steps): the range
-    # is cut at the queries' last position below, and positions past each query's own are masked.
+    # is cut at the queries' last position as soon as the positions are loaded, before any key load, and
+    # positions past each query's own are masked.
     kv_end = tl.load(item + 4)
     partial_row = tl.load(item + 5)
     row_valid = row_query < query_count
@@ -202,7 +204,7 @@ def _attend_items(
         if EARLY:
             first = work == tl.program_id(0)
         else:
-            first = work < 0
+            first = work < 0  # never true: a runtime false of the same type, as the program already waited
         if work < num_wide:
             if HAS_WIDE:
                 _attend_item(
@@ -224,8 +226,9 @@ def _attend_items(
                 first=first, WAIT=USE_PDL, DECODE=DECODE,
             )  # fmt: skip
     if USE_PDL:
-        # A program with no unit waits too: the kernels after us count on everything before us being done.
-        gdc_wait()
+        if EARLY:
+            # A program with no unit waits too: the kernels after us count on everything before us being done.
+            gdc_wait()
         # This program is done: the merge's programs may take its place and read their indices early.
         gdc_launch_dependents()
 
@@ -326,6 +329,17 @@ class Workspace:
 _RESIDENT: dict[tuple, int] = {}
 
 
+def programs_per_sm(
+    registers: int, warps: int, shared: int, regs_per_sm: int = 65536, shared_per_sm: int = 233472
+) -> int:
+    """How many programs of a kernel fit on one multiprocessor at once (Hopper's limits by default)."""
+    # Registers are granted per warp in units of 256; a multiprocessor holds at most 64 warps.
+    per_sm = min(regs_per_sm // (-(-registers * 32 // 256) * 256 * warps), 64 // warps)
+    if shared:
+        per_sm = min(per_sm, shared_per_sm // (shared + 1024))  # 1 KiB per block is reserved
+    return max(per_sm, 1)
+
+
 def _resident_programs(args, options: dict, device) -> int:
     """As many persistent programs as fit on the device at once, from the compiled kernel's registers and memory.
 
@@ -337,14 +351,11 @@ def _resident_programs(args, options: dict, device) -> int:
         compiled = _attend_items.warmup(*args, grid=(1,), **options)
         compiled._init_handles()
         props = torch.cuda.get_device_properties(device)
-        warps = options["num_warps"]
-        # Registers are granted per warp in units of 256.
-        regs_per_program = -(-compiled.n_regs * 32 // 256) * 256 * warps
-        per_sm = min(getattr(props, "regs_per_multiprocessor", 65536) // regs_per_program, 64 // warps)
-        if compiled.metadata.shared:
-            smem = getattr(props, "shared_memory_per_multiprocessor", 233472)
-            per_sm = min(per_sm, smem // (compiled.metadata.shared + 1024))
-        _RESIDENT[key] = props.multi_processor_count * max(per_sm, 1)
+        per_sm = programs_per_sm(
+            compiled.n_regs, options["num_warps"], compiled.metadata.shared,
+            getattr(props, "regs_per_multiprocessor", 65536), getattr(props, "shared_memory_per_multiprocessor", 233472),
+        )  # fmt: skip
+        _RESIDENT[key] = props.multi_processor_count * per_sm
     return _RESIDENT[key]
 
 
@@ -363,6 +374,25 @@ def kernel_options(
     if wide and tiles.wide_maxnreg:
         options["maxnreg"] = tiles.wide_maxnreg
     return options
+
+
+_DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+
+
+def compile_attention(
+    tiles: TileShape, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype,
+    wide: bool, decode: bool, target=triton_aot.HOPPER,
+):  # fmt: skip
+    """``_attend_items`` built ahead of time for ``target`` (no GPU needed), as ``paged_attention`` launches it there."""
+    options = kernel_options(tiles, num_heads, num_kv_heads, head_dim, block_size, dtype, wide, decode, use_pdl=True)
+    launch = {name: options.pop(name) for name in ("num_warps", "num_stages", "maxnreg") if name in options}
+    value = "*" + _DTYPE_NAMES[dtype]
+    types = dict.fromkeys(("Q", "K_CACHE", "V_CACHE", "OUT", "PART_O"), value)
+    types.update(
+        dict.fromkeys(("BLOCK_TABLES", "WIDE_ITEMS", "NARROW_ITEMS", "COUNTS", "QUERY_INDEX", "QUERY_POS"), "*i32")
+    )
+    types.update(PART_LSE="*fp32", scale_log2="fp32")
+    return triton_aot.compile_for(_attend_items, types, options, target, **launch)
 
 
 def paged_attention(

@@ -1,0 +1,62 @@
+"""Build Triton kernels for a named NVIDIA GPU with no GPU present, and read what the build costs.
+
+Triton compiles for a target it is told about, down to a cubin, through the
+``ptxas`` it bundles. So this CPU machine can check that a kernel (or a
+variant of one) builds for Hopper, and how many registers and spill bytes each
+thread needs: the numbers that decide how many programs fit on an SM. Used by
+``tests/unit/test_triton_kernels_compile.py`` and ``scripts/kernel_registers.py``.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+HOPPER = GPUTarget("cuda", 90, 32)
+
+
+def compile_for(fn, types: dict[str, str], constants: dict, target: GPUTarget = HOPPER, **options):
+    """``fn`` built for ``target``: ``types`` names the pointer and float arguments (the rest are int32)."""
+    names = fn.arg_names
+    unknown = (set(constants) | set(types)) - set(names)
+    if unknown:
+        raise ValueError(f"{fn.__name__} has no argument(s) {sorted(unknown)}; its arguments are {names}")
+    signature = {n: "constexpr" if n in constants else types.get(n, "i32") for n in names}
+    source = ASTSource(fn, signature, {(names.index(n),): v for n, v in constants.items()})
+    return triton.compile(source, target=target, options=options)
+
+
+@dataclass(frozen=True)
+class RegisterUse:
+    """Per thread, as ``ptxas -v`` reports it."""
+
+    registers: int
+    spill_stores: int  # bytes
+    spill_loads: int  # bytes
+
+
+def register_use(compiled, target: GPUTarget = HOPPER) -> RegisterUse:
+    """Assemble ``compiled``'s PTX again with ``-v`` (Triton discards that log) and parse its usage line."""
+    from triton.backends.nvidia.compiler import get_ptxas
+
+    arch = f"sm_{target.arch}a" if target.arch >= 90 else f"sm_{target.arch}"
+    with tempfile.TemporaryDirectory() as tmp:
+        ptx = Path(tmp) / "kernel.ptx"
+        ptx.write_text(compiled.asm["ptx"])
+        done = subprocess.run(
+            [get_ptxas(target.arch).path, "-v", f"--gpu-name={arch}", str(ptx), "-o", str(Path(tmp) / "kernel.o")],
+            capture_output=True, text=True, check=True,
+        )  # fmt: skip
+    log = done.stderr + done.stdout
+    registers = re.search(r"Used (\d+) registers", log)
+    spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
+    if registers is None or spills is None:
+        raise RuntimeError(f"ptxas -v printed no register usage:\n{log}")
+    return RegisterUse(int(registers.group(1)), int(spills.group(1)), int(spills.group(2)))

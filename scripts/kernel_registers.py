@@ -1,0 +1,53 @@
+"""Registers, spills and programs per SM of the FCA kernel's variants, built for Hopper here (no GPU needed).
+
+    python scripts/kernel_registers.py
+
+Each row is what ``paged_attention`` would launch for a bf16 Qwen2-0.5B layer
+(14 query heads, 2 KV heads, 64 dims, 16 positions per block), per thread as
+``ptxas -v`` reports it. Spills are local-memory traffic in the inner loop;
+programs per SM is what the persistent grid is sized from. Timings still need
+the GPU (``benchmarks/fca_sweep.py``): this says why a variant may be faster.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from arctic_rl_core.triton_aot import register_use
+from arctic_rl_core.zorro.attention.plan import TileShape
+from arctic_rl_core.zorro.attention.triton_attention import compile_attention, programs_per_sm
+
+DEFAULT = TileShape(7)
+VARIANTS = {
+    "default": {},
+    "early_loads": dict(early_loads=True),
+    "narrow_prefetch": dict(narrow_prefetch=True),
+    "wide_stages=3": dict(wide_stages=3),
+    "wide_stages=4": dict(wide_stages=4),
+    "block_n=32": dict(block_n=32),
+    "block_n=128": dict(block_n=128),
+    "wide_maxnreg=None": dict(wide_maxnreg=None),
+    "wide_rows=64": dict(wide_rows=64),
+    "wide_warps=4": dict(wide_warps=4),
+}
+
+
+def main() -> None:
+    print(f"{'variant':<20} {'tile':<7} {'mode':<8} {'warps':>5} {'regs':>5} {'spill st':>9} {'spill ld':>9} "
+          f"{'smem':>7} {'per SM':>6}")  # fmt: skip
+    for name, change in VARIANTS.items():
+        tiles = dataclasses.replace(DEFAULT, **change)
+        for wide, decode in ((True, True), (False, True), (True, False)):
+            compiled = compile_attention(tiles, 14, 2, 64, 16, torch.bfloat16, wide, decode)
+            use = register_use(compiled)
+            warps = tiles.wide_warps if wide else 4
+            shared = compiled.metadata.shared
+            print(f"{name:<20} {'wide' if wide else 'narrow':<7} {'decode' if decode else 'prefill':<8} {warps:>5} "
+                  f"{use.registers:>5} {use.spill_stores:>9} {use.spill_loads:>9} {shared:>7} "
+                  f"{programs_per_sm(use.registers, warps, shared):>6}", flush=True)  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
