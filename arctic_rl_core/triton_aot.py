@@ -12,6 +12,7 @@ from __future__ import annotations
 import re
 import subprocess
 import tempfile
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,14 +23,23 @@ from triton.compiler import ASTSource
 HOPPER = GPUTarget("cuda", 90, 32)
 
 
-def compile_for(fn, types: dict[str, str], constants: dict, target: GPUTarget = HOPPER, **options):
-    """``fn`` built for ``target``: ``types`` names the pointer and float arguments (the rest are int32)."""
+def compile_for(
+    fn, types: dict[str, str], constants: dict, aligned: Iterable[str] = (), target: GPUTarget = HOPPER, **options
+):  # fmt: skip
+    """``fn`` built for ``target``: ``types`` names the pointer and float arguments (the rest are int32).
+
+    ``aligned`` names the arguments whose values are multiples of 16 (pointers'
+    addresses, strides). At run time Triton's JIT specializes on exactly that,
+    and it decides whether loads are vectorized, so the build here must say it
+    too to match what the GPU runs.
+    """
     names = fn.arg_names
-    unknown = (set(constants) | set(types)) - set(names)
+    unknown = (set(constants) | set(types) | set(aligned)) - set(names)
     if unknown:
         raise ValueError(f"{fn.__name__} has no argument(s) {sorted(unknown)}; its arguments are {names}")
     signature = {n: "constexpr" if n in constants else types.get(n, "i32") for n in names}
-    source = ASTSource(fn, signature, {(names.index(n),): v for n, v in constants.items()})
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in aligned}
+    source = ASTSource(fn, signature, {(names.index(n),): v for n, v in constants.items()}, attrs)
     return triton.compile(source, target=target, options=options)
 
 

@@ -388,11 +388,13 @@ def compile_attention(
     launch = {name: options.pop(name) for name in ("num_warps", "num_stages", "maxnreg") if name in options}
     value = "*" + _DTYPE_NAMES[dtype]
     types = dict.fromkeys(("Q", "K_CACHE", "V_CACHE", "OUT", "PART_O"), value)
-    types.update(
-        dict.fromkeys(("BLOCK_TABLES", "WIDE_ITEMS", "NARROW_ITEMS", "COUNTS", "QUERY_INDEX", "QUERY_POS"), "*i32")
-    )
-    types.update(PART_LSE="*fp32", scale_log2="fp32")
-    return triton_aot.compile_for(_attend_items, types, options, target, **launch)
+    plan = ("BLOCK_TABLES", "WIDE_ITEMS", "NARROW_ITEMS", "COUNTS", "QUERY_INDEX", "QUERY_POS")
+    types.update(dict.fromkeys(plan, "*i32"), PART_LSE="*fp32", scale_log2="fp32")
+    # Whole allocations, and the strides of [tokens, heads, dim] and [slots, kv heads, dim] with dim % 16 == 0;
+    # the block table's row stride (its width) varies.
+    strides = ("stride_qt", "stride_qh", "stride_ks", "stride_kh", "stride_ot", "stride_oh")
+    aligned = [name for name in (*types, *strides) if name != "scale_log2"]
+    return triton_aot.compile_for(_attend_items, types, options, aligned, target, **launch)
 
 
 def paged_attention(
