@@ -327,6 +327,7 @@ class Workspace:
 
 
 _RESIDENT: dict[tuple, int] = {}
+BUILDS: dict[tuple, tuple[int, int]] = {}  # (registers, spilled bytes) per thread of each build, for benchmarks
 
 
 def programs_per_sm(
@@ -356,6 +357,7 @@ def _resident_programs(args, options: dict, device) -> int:
             getattr(props, "regs_per_multiprocessor", 65536), getattr(props, "shared_memory_per_multiprocessor", 233472),
         )  # fmt: skip
         _RESIDENT[key] = props.multi_processor_count * per_sm
+        BUILDS[key] = (compiled.n_regs, compiled.n_spills)
     return _RESIDENT[key]
 
 
