@@ -94,3 +94,21 @@ def test_contexts_split_into_at_most_the_target_number_of_items():
     # 16 x 8193 / 264 rounds to 512-position chunks, 17 per context: 272 items, over the target.
     plan = plan_decode(PrefixForest.unshared(16), [8193] * 16, TileShape(7), target_items=264)
     assert 0.8 * 264 <= plan.num_items <= 264
+
+
+def test_multi_query_items_end_by_their_last_query_so_the_kernel_loads_them_uncut():
+    # The kernel starts a wide tile's first key load before its query positions arrive: only single-query
+    # (suffix) items may run past their queries, into room for later steps.
+    forest = build_forest(TABLES, LENGTHS, BS)
+    decode = plan_decode(forest, LENGTHS, TileShape(7), target_items=16)
+    assert len(decode.wide_items) > 0
+    positions = np.array(LENGTHS) - 1
+    query_lens, contexts = [19, 7, 1], [23, 7, 3]
+    prefill = plan_prefill(query_lens, contexts, TileShape(7))
+    assert len(prefill.wide_items) > 0
+    prefill_positions = np.concatenate([np.arange(c - n, c) for n, c in zip(query_lens, contexts)])
+    for plan, pos in ((decode, positions), (prefill, prefill_positions)):
+        for item in np.concatenate([plan.wide_items, plan.narrow_items]):
+            queries = plan.query_index[item[QUERY_OFFSET] : item[QUERY_OFFSET] + item[QUERY_COUNT]]
+            if len(queries) > 1:
+                assert item[KV_END] <= pos[queries].max() + 1

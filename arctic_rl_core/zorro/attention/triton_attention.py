@@ -82,7 +82,7 @@ def _attend_item(
     scale_log2, stride_qt, stride_qh, stride_ks, stride_kh, stride_ot, stride_oh, stride_bt,
     NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, PREFETCH: tl.constexpr,
-    LOOP_STAGES: tl.constexpr, first, WAIT: tl.constexpr, DECODE: tl.constexpr,
+    LOOP_STAGES: tl.constexpr, first, WAIT: tl.constexpr, DECODE: tl.constexpr, MAY_OVERRUN: tl.constexpr,
 ):  # fmt: skip
     """One work unit: a tile of queries (``BLOCK_M // GROUP`` of them, all heads of one KV head) over a KV range.
 
@@ -109,15 +109,15 @@ def _attend_item(
     query_count = tl.load(item + 1)
     table = BLOCK_TABLES + tl.load(item + 2).to(tl.int64) * stride_bt
     kv_start = tl.load(item + 3)
-    # A decode suffix's last item may end past its query (the plan keeps room for later steps): the range
-    # is cut at the queries' last position as soon as the positions are loaded, before any key load, and
-    # positions past each query's own are masked.
     kv_end = tl.load(item + 4)
     partial_row = tl.load(item + 5)
     row_valid = row_query < query_count
     token = tl.load(QUERY_INDEX + query_offset + row_query, mask=row_valid, other=0).to(tl.int64)
     position = tl.load(QUERY_POS + token, mask=row_valid, other=-1)
-    kv_end = tl.minimum(kv_end, tl.max(tl.where(row_valid, position, -1), axis=0) + 1)
+    if MAY_OVERRUN:
+        # A decode suffix's last item may end past its query (the plan keeps room for later steps), where
+        # the cache holds anything: cut the range there before any key is loaded.
+        kv_end = tl.minimum(kv_end, tl.max(tl.where(row_valid, position, -1), axis=0) + 1)
     if PREFETCH:
         # The first step's K and V are requested before the queries, whose loads take as long.
         blocks = _block_ids(table, kv_start, kv_end, BLOCK_SIZE, BLOCK_N)
@@ -143,6 +143,10 @@ def _attend_item(
     head = kv_head * GROUP + rows % GROUP
     q = tl.load(Q + token[:, None] * stride_qt + head[:, None] * stride_qh + dims[None, :], mask=row_valid[:, None],
                 other=0.0)  # fmt: skip
+    if not MAY_OVERRUN:
+        # Multi-query items end at or before their last query, so this cut is kept off the first load's path
+        # (which would otherwise wait for the query index and positions, two more dependent loads).
+        kv_end = tl.minimum(kv_end, tl.max(tl.where(row_valid, position, -1), axis=0) + 1)
     # Steps wholly before every query's position and the range end need no mask (all of decode but the last).
     unmasked_end = tl.minimum(kv_end, tl.min(tl.where(row_valid, position, kv_end), axis=0) + 1)
 
@@ -213,7 +217,7 @@ def _attend_items(
                     scale_log2, stride_qt, stride_qh, stride_ks, stride_kh, stride_ot, stride_oh, stride_bt,
                     NUM_HEADS, GROUP, HEAD_DIM, BLOCK_SIZE, WIDE_M, BLOCK_N, PRECISION, PREFETCH=WIDE_STAGES == 0,
                     LOOP_STAGES=WIDE_STAGES,
-                    first=first, WAIT=USE_PDL, DECODE=DECODE,
+                    first=first, WAIT=USE_PDL, DECODE=DECODE, MAY_OVERRUN=False,
                 )  # fmt: skip
         else:
             unit = work - num_wide
@@ -223,7 +227,7 @@ def _attend_items(
                 scale_log2, stride_qt, stride_qh, stride_ks, stride_kh, stride_ot, stride_oh, stride_bt,
                 NUM_HEADS, GROUP, HEAD_DIM, BLOCK_SIZE, NARROW_M, BLOCK_N, PRECISION, PREFETCH=NARROW_PREFETCH,
                 LOOP_STAGES=NARROW_STAGES,
-                first=first, WAIT=USE_PDL, DECODE=DECODE,
+                first=first, WAIT=USE_PDL, DECODE=DECODE, MAY_OVERRUN=True,
             )  # fmt: skip
     if USE_PDL:
         if EARLY:
