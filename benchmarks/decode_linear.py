@@ -15,6 +15,9 @@ feeding the next, over every layer's own weights: cuBLAS (with the separate
 activation kernel), ours, and ours launched as programmatic dependents, which
 prefetch their weights into L2 while the kernel before them finishes. "Ours"
 is what the engine runs: cuBLAS for the shapes ``pick_tiles`` declines.
+``+norms`` adds the layer's two RMS norm kernels (with their residual adds),
+as programmatic dependents too: its difference from ``ours+pdl`` is the most
+that fusing the norms into the projections could save.
 """
 
 from __future__ import annotations
@@ -62,20 +65,27 @@ def chain(model: str, rows: int, layers: int) -> None:
             if tiles is None:
                 out = F.linear(x, weight)
                 return triton_ops.silu_and_mul(out) if gated else out
-            return decode_linear(x, weight, gated=gated, tiles=tiles, pdl=mode == "ours+pdl")
+            return decode_linear(x, weight, gated=gated, tiles=tiles, pdl=mode.startswith("ours+pdl"))
+
+        def norm(x):
+            """The layer's RMS norm with its residual add, where ``+norms`` runs it (what fusing it would save)."""
+            return triton_ops.rms_norm(x, norm_weight, 1e-6, residual)[0] if mode.endswith("+norms") else x
 
         def step(i):
             w = weights[i]
-            o = linear(linear(x0, w["qkv"])[:, :hidden], w["o"])
-            return linear(linear(o, w["gate_up"], gated=True), w["down"])
+            o = linear(linear(norm(x0), w["qkv"])[:, :hidden], w["o"])
+            return linear(linear(norm(o), w["gate_up"], gated=True), w["down"])
 
         return step
 
-    results = {mode: graph_us(run(mode), layers, replays=20) for mode in ("cublas", "ours", "ours+pdl")}
-    outs = {mode: run(mode)(0).float() for mode in results}
+    norm_weight = torch.ones(hidden, device=device, dtype=torch.bfloat16)
+    residual = torch.zeros(rows, hidden, device=device, dtype=torch.bfloat16)
+    modes = ("cublas", "ours", "ours+pdl", "ours+pdl+norms")
+    results = {mode: graph_us(run(mode), layers, replays=20) for mode in modes}
+    outs = {mode: run(mode)(0).float() for mode in modes[:3]}
     diff = max((outs[m] - outs["cublas"]).abs().max().item() for m in outs)
     base = results["cublas"]
-    print(f"{model:10s} chain of 4 projections, rows {rows:2d}, {layers} layers | "
+    print(f"{model:10s} chain of 4 projections (+ the 2 norms), rows {rows:2d}, {layers} layers | "
           + " | ".join(f"{m} {us:6.1f} us ({base / us:4.2f}x)" for m, us in results.items())
           + f" | weights {layer_bytes / 1e6:.1f} MB/layer: {layer_bytes / results['ours+pdl'] / 1e6:.2f} TB/s with pdl"
           + f" | max |diff| {diff:.1e}", flush=True)  # fmt: skip
