@@ -4,6 +4,8 @@
 #   bash scripts/gpu_check.sh tests     # tests/gpu: kernels, native engine, sleep modes, weight sync (~5 min)
 #   bash scripts/gpu_check.sh bench     # sampling.py, fca.py, fca_sweep.py --quick (~8 min)
 #   bash scripts/gpu_check.sh profile   # decode_profile.py, decode_linear.py --chain-only, fca_sweep.py
+#   bash scripts/gpu_check.sh changed   # what the last sessions changed without a GPU: the native engine's,
+#                                       # FCA's and decode_linear's GPU tests, fca.py, fca_sweep.py, the chains
 #   bash scripts/gpu_check.sh fingerprint  # the code fingerprint summary.txt records, for this tree
 #
 # On the device machine, from the project root: `source .whl/setup.sh && bash scripts/gpu_check.sh tests`.
@@ -28,7 +30,7 @@ step() {  # step NAME LIMIT_S COMMAND...
 fingerprint() { echo "code $(find arctic_rl_core benchmarks tests/gpu -name '*.py' | LC_ALL=C sort | xargs cat | sha1sum | cut -c1-12)"; }
 if [ "${1:-}" = fingerprint ]; then fingerprint; exit 0; fi
 
-{ date -u; git log -1 --format='%h %s' 2>/dev/null; fingerprint; nvidia-smi --query-gpu=name,memory.total,clocks.max.sm \
+{ date -u; git log -1 --format='%h %s' 2>/dev/null; fingerprint; python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)' 2>&1; nvidia-smi --query-gpu=name,memory.total,clocks.max.sm \
   --format=csv 2>&1; } >"$out/summary.txt"
 
 case "${1:-}" in
@@ -45,8 +47,15 @@ case "${1:-}" in
     step decode-linear-chain 120 python3 benchmarks/decode_linear.py --chain-only
     step fca-sweep 300 python3 benchmarks/fca_sweep.py
     ;;
+  changed)
+    step changed-tests 170 python3 -m pytest -q -p no:cacheprovider -rs tests/gpu/test_native_engine_gpu.py \
+      tests/gpu/test_fca_kernel.py tests/gpu/test_decode_linear_gpu.py --junitxml="$out/changed-tests.xml"
+    step fca 130 python3 benchmarks/fca.py
+    step fca-sweep 150 python3 benchmarks/fca_sweep.py
+    step decode-linear-chain 90 python3 benchmarks/decode_linear.py --chain-only
+    ;;
   *)
-    echo "usage: bash scripts/gpu_check.sh tests|bench|profile" >&2
+    echo "usage: bash scripts/gpu_check.sh tests|bench|profile|changed|fingerprint" >&2
     exit 2
     ;;
 esac
