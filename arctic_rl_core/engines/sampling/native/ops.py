@@ -24,7 +24,7 @@ def linear(
     tiles = _decode_tiles(x, weight.shape[0])
     if tiles is None:
         out = F.linear(x, weight, bias)
-        return out if residual is None else out.add_(residual)
+        return out if residual is None else out + residual
     return _decode_linear(x, weight, bias, tiles=tiles, residual=residual)
 
 
