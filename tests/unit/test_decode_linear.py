@@ -50,27 +50,6 @@ def check_split_k_with_uneven_slices_and_ragged_output_tiles():
     torch.testing.assert_close(actual, F.linear(x, weight), rtol=1e-4, atol=1e-4)
 
 
-def check_norm_and_residual_fused(gated: bool, split_k: int):
-    """``norm_weight`` projects ``rms_norm(x) * norm_weight``; ``residual`` is added to the output."""
-    decode_linear = _module().decode_linear
-    g = torch.Generator().manual_seed(11 + split_k + 2 * gated)
-    n, k, eps = 48, 512, 1e-6
-    weight = torch.randn(2 * n if gated else n, k, generator=g)
-    bias = None if gated else torch.randn(n, generator=g)
-    norm_weight = torch.rand(k, generator=g) + 0.5
-    tiles = LinearTiles(block_n=16, block_k=128, split_k=split_k)
-    for rows in (1, 5, 16):
-        x = 3 * torch.randn(rows, k, generator=g)  # not unit scale, or a missing norm would pass
-        residual = torch.randn(rows, n, generator=g)
-        normed = ops.rms_norm(x, norm_weight, eps)[0]
-        for _ in range(2):  # split-K: the squares' partial sums ride with the products' through the counters
-            actual = decode_linear(x, weight, bias, gated=gated, tiles=tiles, norm_weight=norm_weight, eps=eps)
-            torch.testing.assert_close(actual, _expected(normed, weight, bias, gated), rtol=1e-4, atol=1e-4)
-        if not gated:
-            actual = decode_linear(x, weight, bias, tiles=tiles, residual=residual)
-            torch.testing.assert_close(actual, F.linear(x, weight, bias) + residual, rtol=1e-4, atol=1e-4)
-
-
 CHECKS = {
     "plain": (check_equals_f_linear, (False, 1, False)),
     "bias": (check_equals_f_linear, (False, 1, True)),
@@ -78,9 +57,6 @@ CHECKS = {
     "gated": (check_equals_f_linear, (True, 1, False)),
     "gated_split_k": (check_equals_f_linear, (True, 2, False)),
     "uneven_split": (check_split_k_with_uneven_slices_and_ragged_output_tiles, ()),
-    "norm_residual": (check_norm_and_residual_fused, (False, 1)),
-    "norm_residual_split_k": (check_norm_and_residual_fused, (False, 4)),
-    "norm_gated_split_k": (check_norm_and_residual_fused, (True, 2)),
 }
 
 
@@ -136,10 +112,6 @@ def test_cpu_and_float32_calls_go_to_torch():
     x, weight, bias = torch.randn(4, 128, generator=g), torch.randn(64, 128, generator=g), torch.randn(64, generator=g)
     assert torch.equal(ops.linear(x, weight, bias), F.linear(x, weight, bias))
     assert torch.equal(ops.gated_linear(x, weight), ops.silu_and_mul(F.linear(x, weight)))
-    norm_weight, residual = torch.randn(128, generator=g), torch.randn(4, 64, generator=g)
-    normed = ops.rms_norm(x, norm_weight, 1e-6)[0]
-    assert torch.equal(ops.norm_linear(x, norm_weight, 1e-6, weight, bias), F.linear(normed, weight, bias))
-    assert torch.equal(ops.linear(x, weight, bias, residual=residual), F.linear(x, weight, bias) + residual)
 
 
 if __name__ == "__main__":

@@ -81,24 +81,3 @@ def test_sampling_kernels_compile_for_hopper(processed):
         dict(SPLITS_PAD=64, PROCESSED=processed), num_warps=1,
     )  # fmt: skip
     assert len(split.asm["cubin"]) > 0 and len(combine.asm["cubin"]) > 0
-
-
-@pytest.mark.parametrize(
-    "flags",
-    [
-        dict(GATED=False, NORM=False, RESIDUAL=False, SPLIT_K=1),
-        dict(GATED=False, NORM=True, RESIDUAL=False, SPLIT_K=1),  # a layer's qkv projection
-        dict(GATED=False, NORM=False, RESIDUAL=True, SPLIT_K=8),  # its down projection
-        dict(GATED=True, NORM=True, RESIDUAL=False, SPLIT_K=2),
-    ],
-    ids=["plain", "norm", "residual_split", "gated_norm_split"],
-)
-def test_decode_linear_compiles_for_hopper(flags):
-    from arctic_rl_core.engines.sampling.native import decode_linear
-
-    values = dict.fromkeys(("X", "W", "BIAS", "NORM_W", "RES", "Y"), "*bf16")
-    types = {**values, "PARTIAL": "*fp32", "COUNTERS": "*i32", "eps": "fp32"}
-    constants = dict(HAS_BIAS=True, BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, PRECISION="tf32", USE_PDL=True, **flags)
-    aligned = [*types.keys() - {"eps"}, "stride_x", "stride_w", "stride_r", "stride_y", "K", "k_per_split"]
-    compiled = compile_for(decode_linear._decode_linear_kernel, types, constants, aligned, num_warps=4, num_stages=4)
-    assert len(compiled.asm["cubin"]) > 0

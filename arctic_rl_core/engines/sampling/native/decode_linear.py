@@ -77,23 +77,15 @@ def pick_tiles(rows: int, n: int, k: int, num_sms: int, gated: bool = False) -> 
 
 
 @triton.jit
-def _rows_times_slice(X, W, NORM_W, row, col, k_lo, k_hi, stride_x, stride_w, acc, sumsq,
-                      BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, NORM: tl.constexpr):  # fmt: skip
-    """``acc += W[col, k] @ X[row, k]^T`` over ``k`` in ``[k_lo, k_hi)``: acc is ``[block_n, block_m]``.
-
-    With ``NORM`` the rows are multiplied by the norm's weight on the way in,
-    and their squares summed into ``sumsq`` (``[block_m]``) from the same loads.
-    """
+def _rows_times_slice(X, W, row, col, k_lo, k_hi, stride_x, stride_w, acc,
+                      BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):  # fmt: skip
+    """``acc += W[col, k] @ X[row, k]^T`` over ``k`` in ``[k_lo, k_hi)``: acc is ``[block_n, block_m]``."""
     ks = tl.arange(0, BLOCK_K)
     for k0 in range(k_lo, k_hi, BLOCK_K):
         w = tl.load(W + col[:, None] * stride_w + (k0 + ks)[None, :])
         x = tl.load(X + row[:, None] * stride_x + (k0 + ks)[None, :])
-        if NORM:
-            xf = x.to(tl.float32)
-            sumsq += tl.sum(xf * xf, axis=1)
-            x = (xf * tl.load(NORM_W + k0 + ks).to(tl.float32)[None, :]).to(x.dtype)
         acc = tl.dot(w, tl.trans(x), acc, input_precision=PRECISION)
-    return acc, sumsq
+    return acc
 
 
 @triton.jit
@@ -108,18 +100,12 @@ def _prefetch_to_l2(W, col, k_lo, k_hi, stride_w, BLOCK_N: tl.constexpr, LINES: 
 
 @triton.jit
 def _decode_linear_kernel(
-    X, W, BIAS, NORM_W, RES, Y, PARTIAL, COUNTERS, rows, n, k_per_split, K, prefetch_k, eps, stride_x, stride_w,
-    stride_r, stride_y,
-    HAS_BIAS: tl.constexpr, GATED: tl.constexpr, NORM: tl.constexpr, RESIDUAL: tl.constexpr, SPLIT_K: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
-    USE_PDL: tl.constexpr,
+    X, W, BIAS, Y, PARTIAL, COUNTERS, rows, n, k_per_split, K, prefetch_k, stride_x, stride_w, stride_y,
+    HAS_BIAS: tl.constexpr, GATED: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
     """One ``[BLOCK_N, rows]`` output tile over one K-slice; with ``SPLIT_K > 1`` the tile's last slice finishes it.
 
-    ``NORM``: x's rows are RMS-normalized first. The norm scales each row by
-    one number, so that number is applied to the finished sums instead, and
-    the squares it needs are summed from the loads the product makes anyway.
-    ``RESIDUAL``: the output is ``RES + the projection`` (the residual stream).
     Rows past ``rows`` read row 0 (in bounds, never stored); weight rows past
     ``n`` read row 0 of the weight likewise.
     """
@@ -142,12 +128,11 @@ def _decode_linear_kernel(
             _prefetch_to_l2(W, w_col + n, k_lo, k_ahead, stride_w, BLOCK_N, 8)
         gdc_wait()
         gdc_launch_dependents()
-    sumsq = tl.zeros([BLOCK_M], tl.float32)
-    acc, sumsq = _rows_times_slice(X, W, NORM_W, x_row, w_col, k_lo, k_hi, stride_x, stride_w,
-                                   tl.zeros([BLOCK_N, BLOCK_M], tl.float32), sumsq, BLOCK_K, PRECISION, NORM)  # fmt: skip
+    acc = _rows_times_slice(X, W, x_row, w_col, k_lo, k_hi, stride_x, stride_w,
+                            tl.zeros([BLOCK_N, BLOCK_M], tl.float32), BLOCK_K, PRECISION)  # fmt: skip
     if GATED:
-        up, _ = _rows_times_slice(X, W, NORM_W, x_row, w_col + n, k_lo, k_hi, stride_x, stride_w,
-                                  tl.zeros([BLOCK_N, BLOCK_M], tl.float32), sumsq, BLOCK_K, PRECISION, NORM)  # fmt: skip
+        up = _rows_times_slice(X, W, x_row, w_col + n, k_lo, k_hi, stride_x, stride_w,
+                               tl.zeros([BLOCK_N, BLOCK_M], tl.float32), BLOCK_K, PRECISION)  # fmt: skip
     else:
         up = acc  # unused
 
@@ -155,45 +140,33 @@ def _decode_linear_kernel(
     if SPLIT_K > 1:
         # Park this slice's sums; the tile's last slice to arrive adds all of them, in slice order.
         tile_offsets = tl.arange(0, BLOCK_N)[:, None] * BLOCK_M + row[None, :]
-        base = PARTIAL + (tile * SPLIT_K + split).to(tl.int64) * (2 * BLOCK_N * BLOCK_M + BLOCK_M)
+        base = PARTIAL + (tile * SPLIT_K + split).to(tl.int64) * (2 * BLOCK_N * BLOCK_M)
         tl.store(base + tile_offsets, acc)
         if GATED:
             tl.store(base + BLOCK_N * BLOCK_M + tile_offsets, up)
-        if NORM:
-            tl.store(base + 2 * BLOCK_N * BLOCK_M + row, sumsq)
         tl.debug_barrier()  # every thread's sums are written before the release below publishes them
         arrived = tl.atomic_add(COUNTERS + tile, 1, sem="acq_rel", scope="gpu")
         finish = arrived == SPLIT_K - 1
         if finish:
             acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
             up = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
-            sumsq = tl.zeros([BLOCK_M], tl.float32)
             for s in range(SPLIT_K):
-                part = PARTIAL + (tile * SPLIT_K + s).to(tl.int64) * (2 * BLOCK_N * BLOCK_M + BLOCK_M)
+                part = PARTIAL + (tile * SPLIT_K + s).to(tl.int64) * (2 * BLOCK_N * BLOCK_M)
                 acc += tl.load(part + tile_offsets, cache_modifier=".cg")
                 if GATED:
                     up += tl.load(part + BLOCK_N * BLOCK_M + tile_offsets, cache_modifier=".cg")
-                if NORM:
-                    sumsq += tl.load(part + 2 * BLOCK_N * BLOCK_M + row, cache_modifier=".cg")
             tl.store(COUNTERS + tile, 0)  # ready for the next launch, which reads them only once we are done
 
     if finish:
         dtype = Y.dtype.element_ty
-        if NORM:
-            inv_rms = tl.rsqrt(sumsq / K + eps)[None, :]
-            acc *= inv_rms
-            up *= inv_rms
         if HAS_BIAS:
             acc += tl.load(BIAS + w_col).to(tl.float32)[:, None]
-        # Round where the unfused layers round: the projection's output, then the activation or the sum.
+        # Round where the unfused layers round: the projection's output, then the activation.
         out = acc.to(dtype)
         if GATED:
             gate = out.to(tl.float32)
             act = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
             out = (act * up.to(dtype).to(tl.float32)).to(dtype)
-        if RESIDUAL:
-            res = tl.load(RES + x_row[None, :] * stride_r + w_col[:, None]).to(tl.float32)
-            out = (out.to(tl.float32) + res).to(dtype)
         tl.store(Y + row[None, :] * stride_y + col[:, None], out, mask=row_ok[None, :] & col_ok[:, None])
 
 
@@ -230,19 +203,12 @@ def decode_linear(
     gated: bool = False,
     tiles: LinearTiles | None = None,
     pdl: bool = False,
-    norm_weight: torch.Tensor | None = None,
-    eps: float = 0.0,
-    residual: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``x @ weight.T + bias`` (or, ``gated``, ``silu(gate) * up`` of it) for ``x`` of at most ``MAX_ROWS`` rows.
 
-    ``norm_weight``: the projection of ``rms_norm(x) * norm_weight`` instead
-    (the norm before a layer's attention or MLP), in the same launch.
-    ``residual``: ``residual + the projection``, the residual stream after it.
-    ``tiles`` defaults to ``pick_tiles`` for the shape; a shape it declines
-    raises. ``pdl`` launches the kernel as a programmatic dependent of the
-    one before (Hopper on): it prefetches its weights while that kernel
-    finishes.
+    ``tiles`` defaults to ``pick_tiles`` for the shape; a shape it declines raises. ``pdl`` launches the
+    kernel as a programmatic dependent of the one before (Hopper on): it prefetches its weights while
+    that kernel finishes.
     """
     rows, k = x.shape
     n = weight.shape[0] // 2 if gated else weight.shape[0]
@@ -252,8 +218,6 @@ def decode_linear(
             raise ValueError(f"decode_linear has no tiles for {rows} rows of a {n}x{k} weight; use F.linear")
     if x.stride(1) != 1 or weight.stride(1) != 1:
         raise ValueError("decode_linear needs x and weight contiguous along K")
-    if residual is not None and (residual.shape != (rows, n) or residual.stride(1) != 1):
-        raise ValueError(f"decode_linear: residual must be [{rows}, {n}] and contiguous, got {tuple(residual.shape)}")
     block_m = max(16, triton.next_power_of_2(rows))
     tiles_n = triton.cdiv(n, tiles.block_n)
     steps = k // tiles.block_k
@@ -263,18 +227,15 @@ def decode_linear(
     weight_rows = tiles_n * split_k * tiles.block_n * (2 if gated else 1)
     prefetch_k = min(k_per_split, PREFETCH_BYTES // (weight_rows * weight.element_size()) // 64 * 64)
     if split_k > 1:
-        slice_floats = 2 * tiles.block_n * block_m + block_m  # gate (or the only) sums, up sums, squares
-        partial = torch.empty(tiles_n * split_k * slice_floats, dtype=torch.float32, device=x.device)
+        partial = torch.empty(tiles_n * split_k * 2 * tiles.block_n * block_m, dtype=torch.float32, device=x.device)
         counters = _counters(x.device, tiles_n)
     else:
         partial = counters = y
     _decode_linear_kernel[(tiles_n, split_k)](
-        x, weight, bias if bias is not None else weight, norm_weight if norm_weight is not None else weight,
-        residual if residual is not None else y, y, partial, counters, rows, n, k_per_split, k, prefetch_k, eps,
-        x.stride(0), weight.stride(0), residual.stride(0) if residual is not None else 0, y.stride(0),
-        HAS_BIAS=bias is not None, GATED=gated, NORM=norm_weight is not None, RESIDUAL=residual is not None,
-        SPLIT_K=split_k, BLOCK_M=block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
-        PRECISION="ieee" if x.dtype == torch.float32 else "tf32", USE_PDL=pdl, num_warps=tiles.warps,
-        num_stages=tiles.stages, **({"launch_pdl": True} if pdl else {}),
+        x, weight, bias if bias is not None else weight, y, partial, counters, rows, n, k_per_split, k, prefetch_k,
+        x.stride(0), weight.stride(0), y.stride(0),
+        HAS_BIAS=bias is not None, GATED=gated, SPLIT_K=split_k, BLOCK_M=block_m, BLOCK_N=tiles.block_n,
+        BLOCK_K=tiles.block_k, PRECISION="ieee" if x.dtype == torch.float32 else "tf32", USE_PDL=pdl,
+        num_warps=tiles.warps, num_stages=tiles.stages, **({"launch_pdl": True} if pdl else {}),
     )  # fmt: skip
     return y

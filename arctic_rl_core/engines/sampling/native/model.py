@@ -3,10 +3,8 @@
 The q, k and v projections are one matrix (one GEMM), as are gate and up;
 norms, rotary embedding with the KV-cache write, and the gated activation are
 fused kernels on CUDA (``ops``). Decode batches of a half-precision model
-run their projections as ``decode_linear`` kernels, each launched while the
-kernel before it finishes, with the layer's small steps inside them: each
-RMS norm in the projection after it, each residual add in the one before,
-the gated activation in the gate/up one: seven launches a layer, attention's two included.
+run their projections as ``decode_linear`` kernels (the gated activation
+inside the gate/up one), each launched while the kernel before it finishes.
 ``weights`` maps Hugging Face parameter names onto this layout.
 """
 
@@ -136,10 +134,9 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps, dtype, device) if spec.qk_norm else None
         self.scale = spec.head_dim**-0.5
 
-    def forward(self, h, norm: RMSNorm, positions, cos, sin, k_cache, v_cache, meta: AttentionMetadata):
-        """The residual stream ``h`` plus this block's output on ``norm(h)``."""
+    def forward(self, x, positions, cos, sin, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
         spec = self.spec
-        qkv = ops.norm_linear(h, norm.weight, norm.eps, self.qkv_proj.weight, self.qkv_proj.bias)
+        qkv = ops.linear(x, self.qkv_proj.weight, self.qkv_proj.bias)
         q = ops.rotary_and_store(
             qkv, positions, cos, sin,
             self.q_norm.weight if self.q_norm is not None else None,
@@ -147,7 +144,7 @@ class Attention(nn.Module):
             spec.rms_norm_eps, k_cache, v_cache, meta.slot_mapping, spec.num_heads, spec.num_kv_heads,
         )  # fmt: skip
         out = attend(q, k_cache, v_cache, meta, self.scale)
-        return ops.linear(out.flatten(1), self.o_proj.weight, self.o_proj.bias, residual=h)
+        return ops.linear(out.flatten(1), self.o_proj.weight, self.o_proj.bias)
 
 
 class MLP(nn.Module):
@@ -157,10 +154,8 @@ class MLP(nn.Module):
                                       dtype=dtype, device=device)  # fmt: skip
         self.down_proj = nn.Linear(spec.intermediate_size, spec.hidden_size, bias=False, dtype=dtype, device=device)
 
-    def forward(self, h: torch.Tensor, norm: RMSNorm) -> torch.Tensor:
-        """The residual stream ``h`` plus this block's output on ``norm(h)``."""
-        act = ops.norm_linear(h, norm.weight, norm.eps, self.gate_up_proj.weight, gated=True)
-        return ops.linear(act, self.down_proj.weight, residual=h)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return ops.linear(ops.gated_linear(x, self.gate_up_proj.weight), self.down_proj.weight)
 
 
 class DecoderLayer(nn.Module):
@@ -171,11 +166,13 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype, device)
         self.mlp = MLP(spec, dtype, device)
 
-    def forward(self, h, positions, cos, sin, k_cache, v_cache, meta):
-        """The residual stream after this layer. Each norm runs inside the projection after it (decode on
-        CUDA), and each residual add inside the projection before it."""
-        h = self.self_attn(h, self.input_layernorm, positions, cos, sin, k_cache, v_cache, meta)
-        return self.mlp(h, self.post_attention_layernorm)
+    def forward(self, x, residual, positions, cos, sin, k_cache, v_cache, meta):
+        norm = self.input_layernorm
+        h, residual = ops.rms_norm(x, norm.weight, norm.eps, residual)
+        h = self.self_attn(h, positions, cos, sin, k_cache, v_cache, meta)
+        norm = self.post_attention_layernorm
+        h, residual = ops.rms_norm(h, norm.weight, norm.eps, residual)
+        return self.mlp(h), residual
 
 
 class CausalLM(nn.Module):
@@ -208,10 +205,12 @@ class CausalLM(nn.Module):
 
         ``kv_cache`` is ``[layers, 2, blocks, block_size, kv_heads, head_dim]``.
         """
-        h = F.embedding(input_ids, self.embed_tokens.weight)
+        x = F.embedding(input_ids, self.embed_tokens.weight)
+        residual = None
         for i, layer in enumerate(self.layers):
-            h = layer(h, positions, self.rope_cos, self.rope_sin, kv_cache[i, 0], kv_cache[i, 1], meta)
-        return ops.rms_norm(h, self.norm.weight, self.norm.eps)[0]
+            x, residual = layer(x, residual, positions, self.rope_cos, self.rope_sin, kv_cache[i, 0], kv_cache[i, 1],
+                                meta)  # fmt: skip
+        return ops.rms_norm(x, self.norm.weight, self.norm.eps, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return F.linear(hidden, self.lm_head.weight)

@@ -16,32 +16,15 @@ import torch.nn.functional as F
 MASK32 = 0xFFFFFFFF
 
 
-def linear(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, residual: torch.Tensor | None = None
-) -> torch.Tensor:
-    """``x @ weight.T + bias`` (plus ``residual``): on CUDA, decode batches of a half-precision model take
-    ``decode_linear``, which adds the residual in the same launch."""
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ weight.T + bias``: on CUDA, decode batches of a half-precision model take ``decode_linear``."""
     tiles = _decode_tiles(x, weight.shape[0])
     if tiles is None:
-        out = F.linear(x, weight, bias)
-        return out if residual is None else out + residual
-    return _decode_linear(x, weight, bias, tiles=tiles, residual=residual)
+        return F.linear(x, weight, bias)
+    from arctic_rl_core.engines.sampling.native import decode_linear
+    from arctic_rl_core.zorro.attention.triton_attention import supports_pdl
 
-
-def norm_linear(
-    x: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor, bias: torch.Tensor | None = None,
-    gated: bool = False,
-) -> torch.Tensor:  # fmt: skip
-    """The projection (``gated``: ``silu(gate) * up`` of it) of ``rms_norm(x) * norm_weight``.
-
-    On CUDA decode batches the norm runs inside the projection's launch; else it is ``rms_norm`` then the
-    projection, exactly.
-    """
-    tiles = _decode_tiles(x, weight.shape[0] // 2 if gated else weight.shape[0], gated)
-    if tiles is None:
-        h = rms_norm(x, norm_weight, eps)[0]
-        return gated_linear(h, weight) if gated else F.linear(h, weight, bias)
-    return _decode_linear(x, weight, bias, gated=gated, tiles=tiles, norm_weight=norm_weight, eps=eps)
+    return decode_linear.decode_linear(x, weight, bias, tiles=tiles, pdl=supports_pdl(x.device))
 
 
 def gated_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -49,14 +32,10 @@ def gated_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     tiles = _decode_tiles(x, weight.shape[0] // 2, gated=True)
     if tiles is None:
         return silu_and_mul(F.linear(x, weight))
-    return _decode_linear(x, weight, gated=True, tiles=tiles)
-
-
-def _decode_linear(x: torch.Tensor, weight: torch.Tensor, bias=None, **options) -> torch.Tensor:
     from arctic_rl_core.engines.sampling.native import decode_linear
     from arctic_rl_core.zorro.attention.triton_attention import supports_pdl
 
-    return decode_linear.decode_linear(x, weight, bias, pdl=supports_pdl(x.device), **options)
+    return decode_linear.decode_linear(x, weight, gated=True, tiles=tiles, pdl=supports_pdl(x.device))
 
 
 def _decode_tiles(x: torch.Tensor, n: int, gated: bool = False):
