@@ -22,15 +22,16 @@ from arctic_rl_core.zorro.attention.triton_attention import compile_attention, p
 DEFAULT = TileShape(7)
 VARIANTS = {
     "default": {},
-    "early_loads": dict(early_loads=True),
+    "late_loads": dict(early_loads=False),
     "narrow_prefetch": dict(narrow_prefetch=True),
     "wide_stages=3": dict(wide_stages=3),
     "wide_stages=4": dict(wide_stages=4),
     "block_n=32": dict(block_n=32),
     "block_n=128": dict(block_n=128),
-    "wide_maxnreg=None": dict(wide_maxnreg=None),
-    "wide_rows=64": dict(wide_rows=64),
-    "wide_warps=4": dict(wide_warps=4),
+    "rows128": dict(wide_rows=128, wide_warps=8, chunk_per_row=2, wide_maxnreg=128),
+    "rows128 late_loads": dict(wide_rows=128, wide_warps=8, chunk_per_row=2, wide_maxnreg=128, early_loads=False),
+    "rows128 block_n=32": dict(wide_rows=128, wide_warps=8, chunk_per_row=2, wide_maxnreg=128, block_n=32),
+    "rows128 maxnreg=None": dict(wide_rows=128, wide_warps=8, chunk_per_row=2),
 }
 
 

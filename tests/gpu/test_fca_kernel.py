@@ -47,11 +47,12 @@ def _run(q, caches, tables, lengths, plan, positions, tiles, decode=True):
     return out, block_tables
 
 
-# The defaults (a group of 16 requests in one 128-row tile), 64-row tiles (9 requests each), and early loads.
+# The defaults (64-row tiles of up to 9 requests, early loads), 128-row tiles (a group of 16 requests in one), and
+# every load after the wait.
 TILES = [
     TileShape(GROUP),
-    TileShape(GROUP, wide_rows=64, wide_warps=4, chunk_per_row=4, wide_maxnreg=None),
-    TileShape(GROUP, early_loads=True),
+    TileShape(GROUP, wide_rows=128, wide_warps=8, chunk_per_row=2, wide_maxnreg=128),
+    TileShape(GROUP, early_loads=False),
 ]
 
 

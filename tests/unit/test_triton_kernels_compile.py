@@ -21,7 +21,8 @@ from arctic_rl_core.zorro.attention.plan import TileShape  # noqa: E402
 DEFAULT = TileShape(7)  # Qwen2-0.5B: 14 query heads over 2 KV heads
 VARIANTS = {
     "default": DEFAULT,
-    "early_loads": dataclasses.replace(DEFAULT, early_loads=True),
+    "late_loads": dataclasses.replace(DEFAULT, early_loads=False),
+    "rows128": dataclasses.replace(DEFAULT, wide_rows=128, wide_warps=8, chunk_per_row=2, wide_maxnreg=128),
     "narrow_prefetch": dataclasses.replace(DEFAULT, narrow_prefetch=True),
     "wide_stages": dataclasses.replace(DEFAULT, wide_stages=3),
 }
@@ -48,9 +49,10 @@ def test_plain_decode_kernel_compiles_for_hopper():
 
 
 def test_register_use_reads_ptxas_and_respects_the_cap():
-    capped = register_use(_compile_attention(DEFAULT, wide=True, decode=True))
-    uncapped = register_use(_compile_attention(dataclasses.replace(DEFAULT, wide_maxnreg=None), wide=True, decode=True))
-    assert 0 < capped.registers <= DEFAULT.wide_maxnreg < uncapped.registers <= 255
+    rows128 = VARIANTS["rows128"]
+    capped = register_use(_compile_attention(rows128, wide=True, decode=True))
+    uncapped = register_use(_compile_attention(dataclasses.replace(rows128, wide_maxnreg=None), wide=True, decode=True))
+    assert 0 < capped.registers <= rows128.wide_maxnreg < uncapped.registers <= 255
     # The cap is what lets two 8-warp programs share a multiprocessor; without it only one fits.
     assert kernel.programs_per_sm(capped.registers, 8, 0) == 2
     assert kernel.programs_per_sm(uncapped.registers, 8, 0) == 1
