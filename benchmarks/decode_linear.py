@@ -85,7 +85,7 @@ def chain(model: str, rows: int, layers: int) -> None:
     outs = {mode: run(mode)(0).float() for mode in modes[:3]}
     diff = max((outs[m] - outs["cublas"]).abs().max().item() for m in outs)
     base = results["cublas"]
-    print(f"{model:10s} chain of 4 projections (+ the 2 norms), rows {rows:2d}, {layers} layers | "
+    print(f"{model:10s} chain of 4 projections, rows {rows:2d}, {layers} layers | "
           + " | ".join(f"{m} {us:6.1f} us ({base / us:4.2f}x)" for m, us in results.items())
           + f" | weights {layer_bytes / 1e6:.1f} MB/layer: {layer_bytes / results['ours+pdl'] / 1e6:.2f} TB/s with pdl"
           + f" | max |diff| {diff:.1e}", flush=True)  # fmt: skip
