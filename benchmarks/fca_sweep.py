@@ -14,7 +14,7 @@ from fca import BLOCK, DIM, HEADS, KV_HEADS, SCALE, graph_us, paged_batch
 
 from arctic_rl_core.zorro.attention import triton_attention as kernel
 from arctic_rl_core.zorro.attention.forest import PrefixForest, build_forest
-from arctic_rl_core.zorro.attention.plan import TileShape, plan_decode
+from arctic_rl_core.zorro.attention.plan import ROWS_128, TileShape, plan_decode
 
 GROUP = HEADS // KV_HEADS
 CASES = (("4x16", 4, 16), ("1x16", 1, 16))
@@ -23,9 +23,7 @@ CASES = (("4x16", 4, 16), ("1x16", 1, 16))
 def variants(quick: bool) -> list[tuple[TileShape, float]]:
     """(tile shape, multiple of the engine's target item count)."""
     default = TileShape(GROUP)
-    # 128-row tiles, two 8-warp programs per SM: a group of up to 18 requests per tile (the default until
-    # 2026-12-05; on an H100 2% faster than 64-row tiles at 4 groups of 16, 39% slower at one group).
-    rows128 = dataclasses.replace(default, wide_rows=128, wide_warps=8, chunk_per_row=2, wide_maxnreg=128)
+    rows128 = dataclasses.replace(default, **ROWS_128)
     # The variants that the code last changed come first, so a call that runs out of time still has them.
     out = [
         (default, 1.0),
@@ -86,7 +84,6 @@ def main() -> None:
     for tiles, factor in variants(args.quick):
         target = int(factor * 4 * sms // KV_HEADS)
         start = time.perf_counter()
-        kernel._RESIDENT.clear()
         kernel.BUILDS.clear()
         cells = []
         for label, batch in batches.items():
@@ -99,7 +96,8 @@ def main() -> None:
         print(f"rows {tiles.wide_rows:3d} w{tiles.wide_warps} bn {tiles.block_n:3d} st {tiles.stages} "
               f"cpr {tiles.chunk_per_row} reg {tiles.wide_maxnreg or 0:3d} pdl {tiles.pdl:d} "
               f"early {tiles.early_loads:d} nprf {tiles.narrow_prefetch:d} wst {tiles.wide_stages} tgt {target:3d} "
-              f"programs {sorted(set(kernel._RESIDENT.values()))} regs/spills {sorted(set(kernel.BUILDS.values()))} "
+              f"programs {sorted({b.programs for b in kernel.BUILDS.values()})} "
+              f"regs/spills {sorted({(b.registers, b.spills) for b in kernel.BUILDS.values()})} "
               f"({time.perf_counter() - start:4.1f}s) | " + " | ".join(cells), flush=True)  # fmt: skip
 
 

@@ -16,7 +16,7 @@ import dataclasses
 import torch
 
 from arctic_rl_core.triton_aot import register_use
-from arctic_rl_core.zorro.attention.plan import TileShape
+from arctic_rl_core.zorro.attention.plan import ROWS_128, TileShape
 from arctic_rl_core.zorro.attention.triton_attention import compile_attention, programs_per_sm
 
 DEFAULT = TileShape(7)
@@ -28,10 +28,10 @@ VARIANTS = {
     "wide_stages=4": dict(wide_stages=4),
     "block_n=32": dict(block_n=32),
     "block_n=128": dict(block_n=128),
-    "rows128": dict(wide_rows=128, wide_warps=8, chunk_per_row=2, wide_maxnreg=128),
-    "rows128 late_loads": dict(wide_rows=128, wide_warps=8, chunk_per_row=2, wide_maxnreg=128, early_loads=False),
-    "rows128 block_n=32": dict(wide_rows=128, wide_warps=8, chunk_per_row=2, wide_maxnreg=128, block_n=32),
-    "rows128 maxnreg=None": dict(wide_rows=128, wide_warps=8, chunk_per_row=2),
+    "rows128": ROWS_128,
+    "rows128 late_loads": {**ROWS_128, "early_loads": False},
+    "rows128 block_n=32": {**ROWS_128, "block_n": 32},
+    "rows128 maxnreg=None": {**ROWS_128, "wide_maxnreg": None},
 }
 
 

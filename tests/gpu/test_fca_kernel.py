@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from arctic_rl_core.zorro.attention.forest import PrefixForest, build_forest
-from arctic_rl_core.zorro.attention.plan import TileShape, plan_decode, plan_prefill
+from arctic_rl_core.zorro.attention.plan import ROWS_128, TileShape, plan_decode, plan_prefill
 from arctic_rl_core.zorro.attention.reference import paged_decode_attention, paged_prefill_attention
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -51,7 +51,7 @@ def _run(q, caches, tables, lengths, plan, positions, tiles, decode=True):
 # every load after the wait.
 TILES = [
     TileShape(GROUP),
-    TileShape(GROUP, wide_rows=128, wide_warps=8, chunk_per_row=2, wide_maxnreg=128),
+    TileShape(GROUP, **ROWS_128),
     TileShape(GROUP, early_loads=False),
 ]
 

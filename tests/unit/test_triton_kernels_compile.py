@@ -16,13 +16,13 @@ pytest.importorskip("triton")
 from arctic_rl_core.engines.sampling.native import triton_ops  # noqa: E402
 from arctic_rl_core.triton_aot import compile_for, register_use  # noqa: E402
 from arctic_rl_core.zorro.attention import triton_attention as kernel  # noqa: E402
-from arctic_rl_core.zorro.attention.plan import TileShape  # noqa: E402
+from arctic_rl_core.zorro.attention.plan import ROWS_128, TileShape  # noqa: E402
 
 DEFAULT = TileShape(7)  # Qwen2-0.5B: 14 query heads over 2 KV heads
 VARIANTS = {
     "default": DEFAULT,
     "late_loads": dataclasses.replace(DEFAULT, early_loads=False),
-    "rows128": dataclasses.replace(DEFAULT, wide_rows=128, wide_warps=8, chunk_per_row=2, wide_maxnreg=128),
+    "rows128": dataclasses.replace(DEFAULT, **ROWS_128),
     "narrow_prefetch": dataclasses.replace(DEFAULT, narrow_prefetch=True),
     "wide_stages": dataclasses.replace(DEFAULT, wide_stages=3),
 }

@@ -29,6 +29,11 @@ DIRECT = -1  # PARTIAL_ROW of an item that writes its queries' final output
 
 KV_ALIGN = 64  # KV positions per kernel step at most; chunks are multiples of it
 
+# ``TileShape`` fields for 128-row wide tiles, two 8-warp programs per SM, a group of up to 18 requests in one
+# tile (the default until 2026-12-05; on an H100 2% faster than 64-row tiles at 4 groups of 16, 39% slower at
+# one group). The sweep, the register script and the GPU tests keep it as a variant.
+ROWS_128 = dict(wide_rows=128, wide_warps=8, chunk_per_row=2, wide_maxnreg=128)
+
 
 @dataclass(frozen=True)
 class TileShape:

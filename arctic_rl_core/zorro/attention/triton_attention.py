@@ -114,10 +114,11 @@ def _attend_item(
     row_valid = row_query < query_count
     token = tl.load(QUERY_INDEX + query_offset + row_query, mask=row_valid, other=0).to(tl.int64)
     position = tl.load(QUERY_POS + token, mask=row_valid, other=-1)
+    queries_end = tl.max(tl.where(row_valid, position, -1), axis=0) + 1
     if MAY_OVERRUN:
         # A decode suffix's last item may end past its query (the plan keeps room for later steps), where
         # the cache holds anything: cut the range there before any key is loaded.
-        kv_end = tl.minimum(kv_end, tl.max(tl.where(row_valid, position, -1), axis=0) + 1)
+        kv_end = tl.minimum(kv_end, queries_end)
     if PREFETCH:
         # The first step's K and V are requested before the queries, whose loads take as long.
         blocks = _block_ids(table, kv_start, kv_end, BLOCK_SIZE, BLOCK_N)
@@ -146,7 +147,7 @@ def _attend_item(
     if not MAY_OVERRUN:
         # Multi-query items end at or before their last query, so this cut is kept off the first load's path
         # (which would otherwise wait for the query index and positions, two more dependent loads).
-        kv_end = tl.minimum(kv_end, tl.max(tl.where(row_valid, position, -1), axis=0) + 1)
+        kv_end = tl.minimum(kv_end, queries_end)
     # Steps wholly before every query's position and the range end need no mask (all of decode but the last).
     unmasked_end = tl.minimum(kv_end, tl.min(tl.where(row_valid, position, kv_end), axis=0) + 1)
 
@@ -330,13 +331,25 @@ class Workspace:
         )
 
 
-_RESIDENT: dict[tuple, int] = {}
-BUILDS: dict[tuple, tuple[int, int]] = {}  # (registers, spilled bytes) per thread of each build, for benchmarks
+@dataclass(frozen=True)
+class Build:
+    """One build of the attention kernel on a device: how many of its programs fit at once, and per thread
+    its registers and spilled bytes (``benchmarks/fca_sweep.py`` prints them)."""
+
+    programs: int
+    registers: int
+    spills: int
+
+
+BUILDS: dict[tuple, Build] = {}
+HOPPER_REGS_PER_SM = 65536
+HOPPER_SHARED_PER_SM = 233472
 
 
 def programs_per_sm(
-    registers: int, warps: int, shared: int, regs_per_sm: int = 65536, shared_per_sm: int = 233472
-) -> int:
+    registers: int, warps: int, shared: int, regs_per_sm: int = HOPPER_REGS_PER_SM,
+    shared_per_sm: int = HOPPER_SHARED_PER_SM,
+) -> int:  # fmt: skip
     """How many programs of a kernel fit on one multiprocessor at once (Hopper's limits by default)."""
     # Registers are granted per warp in units of 256; a multiprocessor holds at most 64 warps.
     per_sm = min(regs_per_sm // (-(-registers * 32 // 256) * 256 * warps), 64 // warps)
@@ -352,17 +365,17 @@ def _resident_programs(args, options: dict, device) -> int:
     after everyone else's; fewer would leave multiprocessors idle.
     """
     key = (device, tuple(sorted(options.items())))
-    if key not in _RESIDENT:
+    if key not in BUILDS:
         compiled = _attend_items.warmup(*args, grid=(1,), **options)
         compiled._init_handles()
         props = torch.cuda.get_device_properties(device)
         per_sm = programs_per_sm(
             compiled.n_regs, options["num_warps"], compiled.metadata.shared,
-            getattr(props, "regs_per_multiprocessor", 65536), getattr(props, "shared_memory_per_multiprocessor", 233472),
+            getattr(props, "regs_per_multiprocessor", HOPPER_REGS_PER_SM),
+            getattr(props, "shared_memory_per_multiprocessor", HOPPER_SHARED_PER_SM),
         )  # fmt: skip
-        _RESIDENT[key] = props.multi_processor_count * per_sm
-        BUILDS[key] = (compiled.n_regs, compiled.n_spills)
-    return _RESIDENT[key]
+        BUILDS[key] = Build(props.multi_processor_count * per_sm, compiled.n_regs, compiled.n_spills)
+    return BUILDS[key].programs
 
 
 def kernel_options(
