@@ -6,6 +6,9 @@
 #   bash scripts/gpu_check.sh profile   # decode_profile.py, decode_linear.py --chain-only, fca_sweep.py
 #   bash scripts/gpu_check.sh changed   # what the last sessions changed without a GPU: the native engine's,
 #                                       # FCA's and decode_linear's GPU tests, fca.py, fca_sweep.py, the chains
+#   bash scripts/gpu_check.sh ncu       # Nsight Compute's counters for the FCA kernels (4x16 and 1x16, 64- and
+#                                       # 128-row tiles): ncu-*.txt details, ncu-*-sass.csv stall samples per
+#                                       # instruction; then fca.py
 #   bash scripts/gpu_check.sh fingerprint  # the code fingerprint summary.txt records, for this tree
 #
 # On the device machine, from the project root: `source .whl/setup.sh && bash scripts/gpu_check.sh tests`.
@@ -54,8 +57,24 @@ case "${1:-}" in
     step fca-sweep 150 python3 benchmarks/fca_sweep.py
     step decode-linear-chain 90 python3 benchmarks/decode_linear.py --chain-only
     ;;
+  ncu)
+    ncu=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | tail -1)
+    for case in 4x16 1x16; do
+      for rows in 64 128; do
+        name=ncu-$case-$rows
+        # fca_ncu.py warms up with 4 launches of each kernel: skip those 8, then one attend and one merge.
+        step "$name" 90 "$ncu" --clock-control none -k 'regex:_attend_items|_merge_partials' --launch-skip 8 \
+          --launch-count 2 --set full --import-source yes -f -o "$out/$name" \
+          python3 benchmarks/fca_ncu.py --case "$case" --rows "$rows"
+        "$ncu" -i "$out/$name.ncu-rep" --page details >"$out/$name.txt" 2>&1
+        "$ncu" -i "$out/$name.ncu-rep" --page source --csv --print-source sass -k _attend_items \
+          >"$out/$name-sass.csv" 2>&1
+      done
+    done
+    step fca 130 python3 benchmarks/fca.py
+    ;;
   *)
-    echo "usage: bash scripts/gpu_check.sh tests|bench|profile|changed|fingerprint" >&2
+    echo "usage: bash scripts/gpu_check.sh tests|bench|profile|changed|ncu|fingerprint" >&2
     exit 2
     ;;
 esac

@@ -6,6 +6,7 @@ import pytest
 from arctic_rl_core.zorro.attention.forest import PrefixForest, build_forest
 from arctic_rl_core.zorro.attention.plan import (
     DIRECT,
+    KV_ALIGN,
     KV_END,
     KV_START,
     PARTIAL_ROW,
@@ -112,3 +113,14 @@ def test_multi_query_items_end_by_their_last_query_so_the_kernel_loads_them_uncu
             queries = plan.query_index[item[QUERY_OFFSET] : item[QUERY_OFFSET] + item[QUERY_COUNT]]
             if len(queries) > 1:
                 assert item[KV_END] <= pos[queries].max() + 1
+
+
+@pytest.mark.parametrize("target_items", [1, 16, 200])
+def test_every_item_starts_at_a_block_so_the_kernel_finds_a_steps_blocks_without_dividing(target_items):
+    # The kernel takes position kv0 + i of a step to be in block kv0 // BS + i // BS when BS divides its
+    # step: true when every item starts at a multiple of the block size (of KV_ALIGN, for larger blocks).
+    decode = plan_decode(build_forest(TABLES, LENGTHS, BS), LENGTHS, TileShape(3), target_items=target_items)
+    prefill = plan_prefill([19, 7, 1], [23, 7, 3], TileShape(3))
+    for plan in (decode, prefill):
+        items = np.concatenate([plan.wide_items, plan.narrow_items])
+        assert (items[:, KV_START] % min(BS, KV_ALIGN) == 0).all()

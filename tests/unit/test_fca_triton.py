@@ -117,6 +117,27 @@ def check_prefill_kernel_is_causal_after_a_cached_prefix(early_loads=False):
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
 
 
+def check_decode_with_blocks_that_do_not_divide_a_step(block_size):
+    """Blocks larger than the kernel's 64-position step, or of a size that does not divide it, take the
+    general path from positions to cache slots (one division per position)."""
+    kernel = _kernel()
+    # The first two share two blocks; the first's own range spans chunks that start inside a block.
+    tables = [[3, 1, 4, 6, 7, 8, 9, 10, 11], [3, 1, 5], [2]]
+    lengths = [9 * block_size - 5, 2 * block_size + 7, block_size - 1]
+    g = torch.Generator().manual_seed(1)
+    k_cache = torch.randn(12, block_size, HKV, D, generator=g)
+    v_cache = torch.randn(12, block_size, HKV, D, generator=g)
+    block_tables = torch.tensor([t + [0] * (9 - len(t)) for t in tables], dtype=torch.int32)
+    q = torch.randn(len(tables), HKV * 3, D, generator=g)
+    tiles = TileShape(3, wide_rows=32, narrow_rows=4)
+    plan = plan_decode(build_forest(tables, lengths, block_size), lengths, tiles, target_items=64)
+    assert len(plan.wide_items) > 0 and len(plan.merge_rows) > 0
+    positions = torch.tensor([n - 1 for n in lengths], dtype=torch.int32)
+    out = _run(kernel, plan, q, k_cache, v_cache, block_tables, positions, tiles)
+    expected = paged_decode_attention(q, k_cache, v_cache, block_tables, lengths, SCALE)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+
+
 CHECKS = {
     # target_items 64: contexts split into 64-position chunks, then merged
     **{
@@ -130,6 +151,7 @@ CHECKS = {
         for t in (1, 64)
     },
     "prefill_causal": (check_prefill_kernel_is_causal_after_a_cached_prefix, ()),
+    **{f"decode_blocks_of_{n}": (check_decode_with_blocks_that_do_not_divide_a_step, (n,)) for n in (12, 128)},
     # A program's first unit reads its plan and older keys before it would wait for the kernel before; a
     # prefill tile reloads its first step after the wait (every new token's key was just written).
     "cascade_decode[early_loads]": (check_cascade_decode_kernel_equals_plain_attention, (3, 64, False, 0, True)),

@@ -8,6 +8,11 @@ suffix, or a long context split for parallelism) gets one partial result per
 item, with its log-sum-exp, and a merge pass combines them; a query served by
 a single item is written directly.
 
+Every item starts at a multiple of the cache block size (or of ``KV_ALIGN``,
+for larger blocks): shared prefixes are whole blocks and chunks are multiples
+of ``KV_ALIGN``. So the kernel finds the blocks of a step's positions without
+dividing each position.
+
 Two tile widths exist because a decode request alone fills only ``group``
 rows (query heads per KV head) of a matrix tile, while a group of requests
 sharing a prefix, or a prefill tile, fills a wide one.

@@ -40,8 +40,31 @@ def supports_pdl(device: torch.device) -> bool:
 
 @triton.jit
 def _block_ids(table, kv0, kv_end, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The cache block of each position ``kv0 + i`` (0 from the first block wholly past ``kv_end``)."""
+    if BLOCK_N % BLOCK_SIZE == 0:
+        # Every item starts at a multiple of the block size (plan.py), and so does every step: position
+        # kv0 + i is in block kv0 // BLOCK_SIZE + i // BLOCK_SIZE, with no per-position division.
+        index = kv0 // BLOCK_SIZE + tl.arange(0, BLOCK_N) // BLOCK_SIZE
+        return tl.load(table + index, mask=index * BLOCK_SIZE < kv_end, other=0)
+    else:
+        kv_pos = kv0 + tl.arange(0, BLOCK_N)
+        return tl.load(table + kv_pos // BLOCK_SIZE, mask=kv_pos < kv_end, other=0)
+
+
+@triton.jit
+def _kv_offsets(
+    blocks, kv0, kv_end, kv_head, stride_ks, stride_kh,
+    HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    """Where positions ``kv0 + [0, BLOCK_N)`` of one KV head sit in either cache, and which are before ``kv_end``."""
     kv_pos = kv0 + tl.arange(0, BLOCK_N)
-    return tl.load(table + kv_pos // BLOCK_SIZE, mask=kv_pos < kv_end, other=0)
+    if BLOCK_N % BLOCK_SIZE == 0:
+        # As in _block_ids: each row's offset in its block is a constant, so a row costs one multiply.
+        in_block = (tl.arange(0, BLOCK_N) % BLOCK_SIZE) * stride_ks
+        row = blocks.to(tl.int64) * (BLOCK_SIZE * stride_ks) + in_block
+    else:
+        row = (blocks.to(tl.int64) * BLOCK_SIZE + kv_pos % BLOCK_SIZE) * stride_ks
+    return row[:, None] + (kv_head * stride_kh + tl.arange(0, HEAD_DIM))[None, :], (kv_pos < kv_end)[:, None]
 
 
 @triton.jit
@@ -49,28 +72,28 @@ def _load_kv(
     K_CACHE, V_CACHE, blocks, kv0, kv_end, kv_head, stride_ks, stride_kh,
     HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
-    kv_pos = kv0 + tl.arange(0, BLOCK_N)
-    valid = (kv_pos < kv_end)[:, None]
-    slot = blocks.to(tl.int64) * BLOCK_SIZE + kv_pos % BLOCK_SIZE
-    offsets = slot[:, None] * stride_ks + kv_head * stride_kh + tl.arange(0, HEAD_DIM)[None, :]
+    offsets, valid = _kv_offsets(blocks, kv0, kv_end, kv_head, stride_ks, stride_kh, HEAD_DIM, BLOCK_SIZE, BLOCK_N)
     return tl.load(K_CACHE + offsets, mask=valid, other=0.0), tl.load(V_CACHE + offsets, mask=valid, other=0.0)
 
 
 @triton.jit
 def _softmax_step(
-    q, k, v, acc, l_i, m_i, kv0, kv_end, unmasked_end, position, scale_log2,
+    scores, v, acc, l_i, m_i, kv0, kv_end, unmasked_end, position, scale_log2,
     BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
-    """One step of the online softmax over keys ``kv0 + [0, BLOCK_N)``."""
-    scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
+    """One step of the online softmax over keys ``kv0 + [0, BLOCK_N)``, from their unscaled ``scores``.
+
+    The running max is kept scaled (``scale_log2 > 0``), so the scale meets each
+    score once, in the exponent's multiply-add.
+    """
     if kv0 + BLOCK_N > unmasked_end:
         kv_pos = kv0 + tl.arange(0, BLOCK_N)
         scores = tl.where((kv_pos[None, :] < kv_end) & (kv_pos[None, :] <= position[:, None]), scores, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+    m_new = tl.maximum(m_i, tl.max(scores, axis=1) * scale_log2)
     # A row that has seen no visible key keeps m = -inf; shift by 0 there to avoid inf - inf.
     m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
     alpha = tl.exp2(m_i - m_shift)
-    p = tl.exp2(scores - m_shift[:, None])
+    p = tl.exp2(scores * scale_log2 - m_shift[:, None])
     l_i = l_i * alpha + tl.sum(p, axis=1)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
     return acc, l_i, m_new
@@ -156,18 +179,23 @@ def _attend_item(
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
     if PREFETCH:
         for kv0 in tl.range(kv_start, kv_end, BLOCK_N, num_stages=1):
-            k_next, v_next = _load_kv(K_CACHE, V_CACHE, blocks, kv0 + BLOCK_N, kv_end, kv_head, stride_ks,
-                                      stride_kh, HEAD_DIM, BLOCK_SIZE, BLOCK_N)  # fmt: skip
-            blocks = _block_ids(table, kv0 + 2 * BLOCK_N, kv_end, BLOCK_SIZE, BLOCK_N)
-            acc, l_i, m_i = _softmax_step(q, k, v, acc, l_i, m_i, kv0, kv_end, unmasked_end, position, scale_log2,
+            # Each of the next step's loads is issued once this step is done with the registers it fills (the
+            # keys after the scores, the values after the weighted sum), so no tile is copied between them.
+            scores = tl.dot(q, tl.trans(k), input_precision=PRECISION)
+            offsets, valid = _kv_offsets(blocks, kv0 + BLOCK_N, kv_end, kv_head, stride_ks, stride_kh, HEAD_DIM,
+                                         BLOCK_SIZE, BLOCK_N)  # fmt: skip
+            k = tl.load(K_CACHE + offsets, mask=valid, other=0.0)
+            acc, l_i, m_i = _softmax_step(scores, v, acc, l_i, m_i, kv0, kv_end, unmasked_end, position, scale_log2,
                                           BLOCK_N, PRECISION)  # fmt: skip
-            k, v = k_next, v_next
+            v = tl.load(V_CACHE + offsets, mask=valid, other=0.0)
+            blocks = _block_ids(table, kv0 + 2 * BLOCK_N, kv_end, BLOCK_SIZE, BLOCK_N)
     else:
         for kv0 in tl.range(kv_start, kv_end, BLOCK_N, num_stages=LOOP_STAGES):
             blocks = _block_ids(table, kv0, kv_end, BLOCK_SIZE, BLOCK_N)
             k, v = _load_kv(K_CACHE, V_CACHE, blocks, kv0, kv_end, kv_head, stride_ks, stride_kh, HEAD_DIM,
                             BLOCK_SIZE, BLOCK_N)  # fmt: skip
-            acc, l_i, m_i = _softmax_step(q, k, v, acc, l_i, m_i, kv0, kv_end, unmasked_end, position, scale_log2,
+            scores = tl.dot(q, tl.trans(k), input_precision=PRECISION)
+            acc, l_i, m_i = _softmax_step(scores, v, acc, l_i, m_i, kv0, kv_end, unmasked_end, position, scale_log2,
                                           BLOCK_N, PRECISION)  # fmt: skip
 
     seen = l_i > 0.0
@@ -441,6 +469,8 @@ def paged_attention(
     """
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
+    if not scale > 0:
+        raise ValueError(f"paged_attention's scale must be positive (the kernel keeps its maxima scaled), got {scale}")
     if out is None:
         out = torch.empty_like(q)
     if k_cache.stride(3) != 1 or q.stride(2) != 1 or out.stride(2) != 1:
