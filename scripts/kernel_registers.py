@@ -22,6 +22,8 @@ from arctic_rl_core.zorro.attention.triton_attention import compile_attention, p
 DEFAULT = TileShape(7)
 VARIANTS = {
     "default": {},
+    "maxnreg=168": dict(wide_maxnreg=168),
+    "maxnreg=128": dict(wide_maxnreg=128),
     "late_loads": dict(early_loads=False),
     "narrow_prefetch": dict(narrow_prefetch=True),
     "wide_stages=3": dict(wide_stages=3),

@@ -101,10 +101,13 @@ def check_a_decode_plan_serves_later_steps_up_to_its_capacity(target_items, narr
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
 
 
-def check_prefill_kernel_is_causal_after_a_cached_prefix(early_loads=False):
+def check_prefill_kernel_is_causal_after_a_cached_prefix(early_loads=False, long_prefix=False):
     kernel = _kernel()
     tables = [[3, 4, 5, 6, 7, 8], [9, 10], [11]]
     query_lens, lengths = [19, 7, 1], [23, 7, 3]  # request 0 has 4 cached positions, request 2 has 2
+    if long_prefix:  # request 0's tile spans positions 51-69: two masked 64-key steps, the second reloaded
+        tables[0] = list(range(20, 38))
+        lengths[0] = 70
     k_cache, v_cache, block_tables, g = _setup(tables, 3)
     q = torch.randn(sum(query_lens), HKV * 3, D, generator=g)
     positions = torch.tensor(
@@ -151,6 +154,7 @@ CHECKS = {
         for t in (1, 64)
     },
     "prefill_causal": (check_prefill_kernel_is_causal_after_a_cached_prefix, ()),
+    "prefill_causal[long_prefix]": (check_prefill_kernel_is_causal_after_a_cached_prefix, (True, True)),
     **{f"decode_blocks_of_{n}": (check_decode_with_blocks_that_do_not_divide_a_step, (n,)) for n in (12, 128)},
     # A program's first unit reads its plan and older keys before it would wait for the kernel before; a
     # prefill tile reloads its first step after the wait (every new token's key was just written).
