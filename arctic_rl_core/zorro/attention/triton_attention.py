@@ -79,14 +79,14 @@ def _load_kv(
 @triton.jit
 def _softmax_step(
     scores, v, acc, l_i, m_i, kv0, kv_end, position, scale_log2,
-    BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, MASKED: tl.constexpr,
+    BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, masked,
 ):  # fmt: skip
     """One step of the online softmax over keys ``kv0 + [0, BLOCK_N)``, from their unscaled ``scores``.
 
     The running max is kept scaled (``scale_log2 > 0``), so the scale meets each
     score once, in the exponent's multiply-add.
     """
-    if MASKED:  # keys past the range or past a query's own position
+    if masked:  # keys past the range or past a query's own position
         kv_pos = kv0 + tl.arange(0, BLOCK_N)
         scores = tl.where((kv_pos[None, :] < kv_end) & (kv_pos[None, :] <= position[:, None]), scores, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(scores, axis=1) * scale_log2)
@@ -172,8 +172,8 @@ def _attend_item(
         # (which would otherwise wait for the query index and positions, two more dependent loads).
         kv_end = tl.minimum(kv_end, queries_end)
     # Steps wholly before every query's position and the range end need no mask (all of decode but the
-    # last): they run in a loop without the mask's code, which would hold ~40 more registers through it,
-    # and the rest (at most the span of the tile's positions) in a second loop after it.
+    # last). In wide tiles they run in a loop without the mask's code, which would hold ~40 more registers
+    # through every step, and the rest (at most the span of the tile's positions) in a second loop after it.
     unmasked_end = tl.minimum(kv_end, tl.min(tl.where(row_valid, position, kv_end), axis=0) + 1)
     full_end = kv_start + tl.maximum(unmasked_end - kv_start, 0) // BLOCK_N * BLOCK_N
 
@@ -189,7 +189,7 @@ def _attend_item(
                                          BLOCK_SIZE, BLOCK_N)  # fmt: skip
             k = tl.load(K_CACHE + offsets, mask=valid, other=0.0)
             acc, l_i, m_i = _softmax_step(scores, v, acc, l_i, m_i, kv0, kv_end, position, scale_log2, BLOCK_N,
-                                          PRECISION, MASKED=False)  # fmt: skip
+                                          PRECISION, masked=False)  # fmt: skip
             v = tl.load(V_CACHE + offsets, mask=valid, other=0.0)
             blocks = _block_ids(table, kv0 + 2 * BLOCK_N, kv_end, BLOCK_SIZE, BLOCK_N)
         for kv0 in tl.range(full_end, kv_end, BLOCK_N, num_stages=1):
@@ -198,20 +198,16 @@ def _attend_item(
                                 kv_head, stride_ks, stride_kh, HEAD_DIM, BLOCK_SIZE, BLOCK_N)  # fmt: skip
             scores = tl.dot(q, tl.trans(k), input_precision=PRECISION)
             acc, l_i, m_i = _softmax_step(scores, v, acc, l_i, m_i, kv0, kv_end, position, scale_log2, BLOCK_N,
-                                          PRECISION, MASKED=True)  # fmt: skip
+                                          PRECISION, masked=True)  # fmt: skip
     else:
-        for kv0 in tl.range(kv_start, full_end, BLOCK_N, num_stages=LOOP_STAGES):
+        # Narrow tiles keep one loop, so Triton's pipelining loads every step, the masked last one included,
+        # during the step before it (their registers are not what limits their programs per SM).
+        for kv0 in tl.range(kv_start, kv_end, BLOCK_N, num_stages=LOOP_STAGES):
             k, v = _load_kv(K_CACHE, V_CACHE, _block_ids(table, kv0, kv_end, BLOCK_SIZE, BLOCK_N), kv0, kv_end,
                             kv_head, stride_ks, stride_kh, HEAD_DIM, BLOCK_SIZE, BLOCK_N)  # fmt: skip
             scores = tl.dot(q, tl.trans(k), input_precision=PRECISION)
             acc, l_i, m_i = _softmax_step(scores, v, acc, l_i, m_i, kv0, kv_end, position, scale_log2, BLOCK_N,
-                                          PRECISION, MASKED=False)  # fmt: skip
-        for kv0 in tl.range(full_end, kv_end, BLOCK_N, num_stages=1):
-            k, v = _load_kv(K_CACHE, V_CACHE, _block_ids(table, kv0, kv_end, BLOCK_SIZE, BLOCK_N), kv0, kv_end,
-                            kv_head, stride_ks, stride_kh, HEAD_DIM, BLOCK_SIZE, BLOCK_N)  # fmt: skip
-            scores = tl.dot(q, tl.trans(k), input_precision=PRECISION)
-            acc, l_i, m_i = _softmax_step(scores, v, acc, l_i, m_i, kv0, kv_end, position, scale_log2, BLOCK_N,
-                                          PRECISION, MASKED=True)  # fmt: skip
+                                          PRECISION, masked=kv0 >= full_end)  # fmt: skip
 
     seen = l_i > 0.0
     out = acc / tl.where(seen, l_i, 1.0)[:, None]
