@@ -120,9 +120,10 @@ def check_prefill_kernel_is_causal_after_a_cached_prefix(early_loads=False, long
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
 
 
-def check_decode_with_blocks_that_do_not_divide_a_step(block_size):
-    """Blocks larger than the kernel's 64-position step, or of a size that does not divide it, take the
-    general path from positions to cache slots (one division per position)."""
+def check_decode_with_blocks_that_do_not_divide_a_step(block_size, block_n=64):
+    """Blocks larger than the kernel's step, or of a size that does not divide it, or than the plan's
+    64-position chunk alignment, take the general path from positions to cache slots (one division per
+    position)."""
     kernel = _kernel()
     # The first two share two blocks; the first's own range spans chunks that start inside a block.
     tables = [[3, 1, 4, 6, 7, 8, 9, 10, 11], [3, 1, 5], [2]]
@@ -132,7 +133,7 @@ def check_decode_with_blocks_that_do_not_divide_a_step(block_size):
     v_cache = torch.randn(12, block_size, HKV, D, generator=g)
     block_tables = torch.tensor([t + [0] * (9 - len(t)) for t in tables], dtype=torch.int32)
     q = torch.randn(len(tables), HKV * 3, D, generator=g)
-    tiles = TileShape(3, wide_rows=32, narrow_rows=4)
+    tiles = TileShape(3, wide_rows=32, narrow_rows=4, block_n=block_n)
     plan = plan_decode(build_forest(tables, lengths, block_size), lengths, tiles, target_items=64)
     assert len(plan.wide_items) > 0 and len(plan.merge_rows) > 0
     positions = torch.tensor([n - 1 for n in lengths], dtype=torch.int32)
@@ -156,6 +157,8 @@ CHECKS = {
     "prefill_causal": (check_prefill_kernel_is_causal_after_a_cached_prefix, ()),
     "prefill_causal[long_prefix]": (check_prefill_kernel_is_causal_after_a_cached_prefix, (True, True)),
     **{f"decode_blocks_of_{n}": (check_decode_with_blocks_that_do_not_divide_a_step, (n,)) for n in (12, 128)},
+    # 128-position steps over 128-position blocks: the step divides by the block, but chunks start at 64s.
+    "decode_blocks_of_128[block_n=128]": (check_decode_with_blocks_that_do_not_divide_a_step, (128, 128)),
     # A program's first unit reads its plan and older keys before it would wait for the kernel before; a
     # prefill tile reloads its first step after the wait (every new token's key was just written).
     "cascade_decode[early_loads]": (check_cascade_decode_kernel_equals_plain_attention, (3, 64, False, 0, True)),

@@ -24,9 +24,11 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from arctic_rl_core import triton_aot
-from arctic_rl_core.zorro.attention.plan import ITEM_FIELDS, AttentionPlan, TileShape
+from arctic_rl_core.zorro.attention.plan import ITEM_FIELDS, KV_ALIGN, AttentionPlan, TileShape
 
 LOG2E = 1.4426950408889634
+# Items start at multiples of the block size or of KV_ALIGN, whichever is smaller (plan.py).
+_ITEM_ALIGN = tl.constexpr(KV_ALIGN)
 
 _PDL: dict[torch.device, bool] = {}
 
@@ -41,7 +43,7 @@ def supports_pdl(device: torch.device) -> bool:
 @triton.jit
 def _block_ids(table, kv0, kv_end, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr):
     """The cache block of each position ``kv0 + i`` (0 from the first block wholly past ``kv_end``)."""
-    if BLOCK_N % BLOCK_SIZE == 0:
+    if BLOCK_N % BLOCK_SIZE == 0 and _ITEM_ALIGN % BLOCK_SIZE == 0:
         # Every item starts at a multiple of the block size (plan.py), and so does every step: position
         # kv0 + i is in block kv0 // BLOCK_SIZE + i // BLOCK_SIZE, with no per-position division.
         index = kv0 // BLOCK_SIZE + tl.arange(0, BLOCK_N) // BLOCK_SIZE
@@ -58,7 +60,7 @@ def _kv_offsets(
 ):  # fmt: skip
     """Where positions ``kv0 + [0, BLOCK_N)`` of one KV head sit in either cache, and which are before ``kv_end``."""
     kv_pos = kv0 + tl.arange(0, BLOCK_N)
-    if BLOCK_N % BLOCK_SIZE == 0:
+    if BLOCK_N % BLOCK_SIZE == 0 and _ITEM_ALIGN % BLOCK_SIZE == 0:
         # As in _block_ids: each row's offset in its block is a constant, so a row costs one multiply.
         in_block = (tl.arange(0, BLOCK_N) % BLOCK_SIZE) * stride_ks
         row = blocks.to(tl.int64) * (BLOCK_SIZE * stride_ks) + in_block
