@@ -184,8 +184,8 @@ def _attend_item(
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
     if PREFETCH:
         for kv0 in tl.range(kv_start, full_end, BLOCK_N, num_stages=1):
-            # Each of the next step's loads is issued once this step is done with the registers it fills (the
-            # keys after the scores, the values after the weighted sum), so no tile is copied between them.
+            # The next step's keys are loaded after this step's scores, its values after the weighted sum: by
+            # then the registers they fill are free (fewer register copies than loading both first).
             scores = tl.dot(q, tl.trans(k), input_precision=PRECISION)
             offsets, valid = _kv_offsets(blocks, kv0 + BLOCK_N, kv_end, kv_head, stride_ks, stride_kh, HEAD_DIM,
                                          BLOCK_SIZE, BLOCK_N)  # fmt: skip
