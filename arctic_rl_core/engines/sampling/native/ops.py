@@ -21,10 +21,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     tiles = _decode_tiles(x, weight.shape[0])
     if tiles is None:
         return F.linear(x, weight, bias)
-    from arctic_rl_core.engines.sampling.native import decode_linear
-    from arctic_rl_core.zorro.attention.triton_attention import supports_pdl
-
-    return decode_linear.decode_linear(x, weight, bias, tiles=tiles, pdl=supports_pdl(x.device))
+    return _decode_linear(x, weight, bias, tiles=tiles)
 
 
 def gated_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -32,10 +29,15 @@ def gated_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     tiles = _decode_tiles(x, weight.shape[0] // 2, gated=True)
     if tiles is None:
         return silu_and_mul(F.linear(x, weight))
+    return _decode_linear(x, weight, gated=True, tiles=tiles)
+
+
+def _decode_linear(x: torch.Tensor, weight: torch.Tensor, bias=None, **options) -> torch.Tensor:
+    """``decode_linear``, launched as a programmatic dependent where the device supports it."""
     from arctic_rl_core.engines.sampling.native import decode_linear
     from arctic_rl_core.zorro.attention.triton_attention import supports_pdl
 
-    return decode_linear.decode_linear(x, weight, gated=True, tiles=tiles, pdl=supports_pdl(x.device))
+    return decode_linear.decode_linear(x, weight, bias, pdl=supports_pdl(x.device), **options)
 
 
 def _decode_tiles(x: torch.Tensor, n: int, gated: bool = False):
