@@ -51,8 +51,9 @@ class TileShape:
     the reads while enough chunks remain to fill the device.
 
     ``stages`` is Triton's software pipelining of the narrow tiles' loads;
-    ``wide_maxnreg`` caps the wide kernel's registers so that two 8-warp
-    programs fit on a multiprocessor; ``pdl`` lets the merge launch start
+    ``wide_maxnreg`` caps the wide kernel's registers so that more of its
+    programs fit on a multiprocessor (two 8-warp ones at 128, three 4-warp
+    ones at 168); ``pdl`` lets the merge launch start
     while the attention kernel drains (programmatic dependent launch);
     ``early_loads`` lets the attention kernel read its plan, positions and
     older keys before it waits for the kernel that wrote its queries;
