@@ -31,6 +31,9 @@ LOG2E = 1.4426950408889634
 _ITEM_ALIGN = tl.constexpr(KV_ALIGN)
 
 _PDL: dict[torch.device, bool] = {}
+# The merge's programs are many and small: at 2 warps (not 4) its launch after the attention kernel took 1.5 us
+# less at 4 groups x 16 on an H100 (24.6 -> 23.1 us for both launches; 1 warp: 23.5).
+MERGE_WARPS = 2
 
 
 def supports_pdl(device: torch.device) -> bool:
@@ -493,6 +496,6 @@ def paged_attention(
         _merge_partials[(num_tokens, num_heads)](
             out, workspace.partial_out, workspace.partial_lse, plan.merge_offsets, plan.merge_rows,
             out.stride(0), out.stride(1), NUM_HEADS=num_heads, HEAD_DIM=head_dim, BLOCK_E=64, USE_PDL=use_pdl,
-            num_warps=4, **({"launch_pdl": True} if use_pdl else {}),
+            num_warps=MERGE_WARPS, **({"launch_pdl": True} if use_pdl else {}),
         )  # fmt: skip
     return out
