@@ -8,6 +8,7 @@ The checks run in a fresh Python with ``TRITON_INTERPRET=1``
 
 import importlib
 
+import pytest
 import torch
 
 from arctic_rl_core.zorro.attention.forest import PrefixForest, build_forest
@@ -65,6 +66,24 @@ def check_cascade_decode_kernel_equals_plain_attention(
     out = _run(kernel, plan, q, k_cache, v_cache, block_tables, positions, tiles)
     expected = paged_decode_attention(q, k_cache, v_cache, block_tables, lengths, SCALE)
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+
+
+def check_cascade_decode_in_16_bit_equals_plain_attention(dtype):
+    """16-bit caches, which the wide tiles read as 32-bit words and unpack: within the dtype's rounding."""
+    kernel = _kernel()
+    tables, lengths = THREE_LEVELS
+    forest = build_forest(tables, lengths, BS)
+    k_cache, v_cache, block_tables, g = _setup(tables, 3)
+    k_cache, v_cache = k_cache.to(dtype), v_cache.to(dtype)
+    q = torch.randn(len(tables), HKV * 3, D, generator=g).to(dtype)
+    tiles = TileShape(3, wide_rows=32, narrow_rows=4)
+    plan = plan_decode(forest, lengths, tiles, target_items=64)
+    assert len(plan.wide_items) > 0
+    positions = torch.tensor([n - 1 for n in lengths], dtype=torch.int32)
+    out = _run(kernel, plan, q, k_cache, v_cache, block_tables, positions, tiles)
+    expected = paged_decode_attention(q.float(), k_cache.float(), v_cache.float(), block_tables, lengths, SCALE)
+    # The kernel rounds the softmax weights to the dtype before the weighted sum (as flash attention does).
+    torch.testing.assert_close(out.float(), expected, atol=4e-3, rtol=4e-3)
 
 
 def check_plain_decode_kernel_with_split_contexts_equals_reference():
@@ -149,6 +168,8 @@ CHECKS = {
         for g in (1, 3)
         for t in (1, 64)
     },  # fmt: skip
+    # fp16 only: the interpreter computes bf16 wrongly (the old kernel too); the GPU tests run bf16.
+    "cascade_decode[fp16]": (check_cascade_decode_in_16_bit_equals_plain_attention, (torch.float16,)),
     "plain_decode_split": (check_plain_decode_kernel_with_split_contexts_equals_reference, ()),
     **{
         f"decode_plan_reused[target={t}]": (check_a_decode_plan_serves_later_steps_up_to_its_capacity, (t,))
@@ -171,6 +192,35 @@ CHECKS = {
 
 
 test_kernel_under_the_interpreter = check_test(__file__, CHECKS)
+
+
+@pytest.mark.parametrize(
+    "case, message",
+    [
+        ("scale", "scale must be positive"),
+        ("strides", "one layout for both caches"),
+        ("odd_offset", "4-byte boundary"),
+    ],
+)
+def test_paged_attention_names_what_it_needs_of_its_inputs(case, message):
+    kernel = _kernel()
+    tables, lengths = THREE_LEVELS
+    k_cache, v_cache, block_tables, g = _setup(tables, 1)
+    k_cache, v_cache = k_cache.half(), v_cache.half()
+    if case == "strides":
+        v_cache = v_cache.transpose(0, 1).contiguous().transpose(0, 1)  # same shape, blocks not outermost
+    if case == "odd_offset":  # a view one value into a larger cache: its 32-bit words would straddle values
+        k_cache = torch.zeros(48, BS, HKV, D + 2, dtype=torch.half)[..., 1:-1]  # even strides, odd start
+        v_cache = torch.zeros(48, BS, HKV, D + 2, dtype=torch.half)[..., 1:-1]
+    q = torch.randn(len(tables), HKV, D, generator=g).half()
+    tiles = TileShape(1, wide_rows=32, narrow_rows=4)
+    plan = plan_decode(build_forest(tables, lengths, BS), lengths, tiles, target_items=1)
+    positions = torch.tensor([n - 1 for n in lengths], dtype=torch.int32)
+    device_plan = kernel.DevicePlan.from_plan(plan, "cpu")
+    workspace = kernel.Workspace.allocate(plan.num_partial_rows, HKV, D, "cpu")
+    with pytest.raises(ValueError, match=message):
+        kernel.paged_attention(q, k_cache, v_cache, block_tables, positions, device_plan, workspace,
+                               0.0 if case == "scale" else SCALE, tiles)  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -82,6 +82,60 @@ def _load_kv(
 
 
 @triton.jit
+def _as_words(CACHE):
+    """A 16-bit cache as 32-bit words, two values each (``_values`` splits them); others as they are.
+
+    The wide tiles carry the next step's keys and values across the step loop
+    in registers. Carried as 16-bit values, each one costs a register copy
+    to pack it for the store to shared memory (48 copies per 64-key step on
+    Hopper, 12% of the step's instructions); carried as words, none.
+    """
+    if CACHE.dtype.element_ty.primitive_bitwidth == 16:
+        return CACHE.to(tl.pointer_type(tl.int32), bitcast=True)
+    else:
+        return CACHE
+
+
+@triton.jit
+def _values(words, DTYPE: tl.constexpr):
+    """``[N, W]`` words read through ``_as_words`` as ``[N, 2W]`` values of ``DTYPE`` (low half first)."""
+    if DTYPE.primitive_bitwidth == 16:
+        low = (words & 0xFFFF).to(tl.uint16).to(DTYPE, bitcast=True)
+        high = (words >> 16).to(tl.uint16).to(DTYPE, bitcast=True)
+        return tl.reshape(tl.join(low, high), [words.shape[0], 2 * words.shape[1]])
+    else:
+        return words
+
+
+@triton.jit
+def _maximum(a, b):
+    return tl.maximum(a, b)
+
+
+@triton.jit
+def _add(a, b):
+    return a + b
+
+
+@triton.jit
+def _halve_twice(x, combine):
+    """``x`` [M, N] combined down to [M, N // 4] columns, so that a row reduction after it is a tree.
+
+    ``tl.max``/``tl.sum`` combine a thread's elements of a row in one serial
+    chain (16 dependent instructions per row of a 64-key step on Hopper);
+    after this it is 4 deep. The pairs (adjacent columns, then columns a
+    quarter of the row apart) sit in one thread in the MMA layout, so no data
+    moves.
+    """
+    m: tl.constexpr = x.shape[0]
+    n: tl.constexpr = x.shape[1]
+    even, odd = tl.split(tl.reshape(x, [m, n // 2, 2]))
+    x = combine(even, odd)
+    low, high = tl.split(tl.permute(tl.reshape(x, [m, 2, n // 4]), [0, 2, 1]))
+    return combine(low, high)
+
+
+@triton.jit
 def _softmax_step(
     scores, v, acc, l_i, m_i, kv0, kv_end, position, scale_log2,
     BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, masked,
@@ -94,12 +148,12 @@ def _softmax_step(
     if masked:  # keys past the range or past a query's own position
         kv_pos = kv0 + tl.arange(0, BLOCK_N)
         scores = tl.where((kv_pos[None, :] < kv_end) & (kv_pos[None, :] <= position[:, None]), scores, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(scores, axis=1) * scale_log2)
+    m_new = tl.maximum(m_i, tl.max(_halve_twice(scores, _maximum), axis=1) * scale_log2)
     # A row that has seen no visible key keeps m = -inf; shift by 0 there to avoid inf - inf.
     m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
     alpha = tl.exp2(m_i - m_shift)
     p = tl.exp2(scores * scale_log2 - m_shift[:, None])
-    l_i = l_i * alpha + tl.sum(p, axis=1)
+    l_i = l_i * alpha + tl.sum(_halve_twice(p, _add), axis=1)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
     return acc, l_i, m_new
 
@@ -148,6 +202,13 @@ def _attend_item(
         # the cache holds anything: cut the range there before any key is loaded.
         kv_end = tl.minimum(kv_end, queries_end)
     if PREFETCH:
+        # Keys and values in 32-bit words (_as_words): strides and the row width in words.
+        K_WORDS = _as_words(K_CACHE)
+        V_WORDS = _as_words(V_CACHE)
+        PACK: tl.constexpr = 2 if K_CACHE.dtype.element_ty.primitive_bitwidth == 16 else 1
+        WORDS: tl.constexpr = HEAD_DIM // PACK
+        word_ks = stride_ks // PACK
+        word_kh = stride_kh // PACK
         # The first step's K and V are requested before the queries, whose loads take as long.
         blocks = _block_ids(table, kv_start, kv_end, BLOCK_SIZE, BLOCK_N)
         written_end = kv_end  # where the keys known to be written (loaded before the wait) end
@@ -158,7 +219,7 @@ def _attend_item(
                 written_end = tl.minimum(kv_end, tl.min(tl.where(row_valid, position, kv_end), axis=0))
             else:
                 written_end = kv_start  # prefill: it wrote the keys of every new token, in other tiles too
-        k, v = _load_kv(K_CACHE, V_CACHE, blocks, kv_start, written_end, kv_head, stride_ks, stride_kh, HEAD_DIM,
+        k, v = _load_kv(K_WORDS, V_WORDS, blocks, kv_start, written_end, kv_head, word_ks, word_kh, WORDS,
                         BLOCK_SIZE, BLOCK_N)  # fmt: skip
         blocks = _block_ids(table, kv_start + BLOCK_N, kv_end, BLOCK_SIZE, BLOCK_N)
     if WAIT:
@@ -166,8 +227,8 @@ def _attend_item(
             gdc_wait()
     if PREFETCH:
         if written_end < tl.minimum(kv_end, kv_start + BLOCK_N):  # the first step holds keys written just before
-            k, v = _load_kv(K_CACHE, V_CACHE, _block_ids(table, kv_start, kv_end, BLOCK_SIZE, BLOCK_N), kv_start,
-                            kv_end, kv_head, stride_ks, stride_kh, HEAD_DIM, BLOCK_SIZE, BLOCK_N)  # fmt: skip
+            k, v = _load_kv(K_WORDS, V_WORDS, _block_ids(table, kv_start, kv_end, BLOCK_SIZE, BLOCK_N), kv_start,
+                            kv_end, kv_head, word_ks, word_kh, WORDS, BLOCK_SIZE, BLOCK_N)  # fmt: skip
 
     head = kv_head * GROUP + rows % GROUP
     q = tl.load(Q + token[:, None] * stride_qt + head[:, None] * stride_qh + dims[None, :], mask=row_valid[:, None],
@@ -189,13 +250,16 @@ def _attend_item(
         for kv0 in tl.range(kv_start, kv_end, BLOCK_N, num_stages=1):
             # The next step's keys are loaded after this step's scores, its values after the weighted sum: by
             # then the registers they fill are free (fewer register copies than loading both first).
-            scores = tl.dot(q, tl.trans(k), input_precision=PRECISION)
-            offsets, valid = _kv_offsets(blocks, kv0 + BLOCK_N, kv_end, kv_head, stride_ks, stride_kh, HEAD_DIM,
-                                         BLOCK_SIZE, BLOCK_N)  # fmt: skip
-            k = tl.load(K_CACHE + offsets, mask=valid, other=0.0)
-            acc, l_i, m_i = _softmax_step(scores, v, acc, l_i, m_i, kv0, kv_end, position, scale_log2, BLOCK_N,
+            # Both unpacked here, at the step's start, so that both go to shared memory before its first barrier.
+            k_step = _values(k, K_CACHE.dtype.element_ty)
+            v_step = _values(v, V_CACHE.dtype.element_ty)
+            scores = tl.dot(q, tl.trans(k_step), input_precision=PRECISION)
+            offsets, valid = _kv_offsets(blocks, kv0 + BLOCK_N, kv_end, kv_head, word_ks, word_kh, WORDS, BLOCK_SIZE,
+                                         BLOCK_N)  # fmt: skip
+            k = tl.load(K_WORDS + offsets, mask=valid, other=0)
+            acc, l_i, m_i = _softmax_step(scores, v_step, acc, l_i, m_i, kv0, kv_end, position, scale_log2, BLOCK_N,
                                           PRECISION, masked=kv0 >= full_end)  # fmt: skip
-            v = tl.load(V_CACHE + offsets, mask=valid, other=0.0)
+            v = tl.load(V_WORDS + offsets, mask=valid, other=0)
             blocks = _block_ids(table, kv0 + 2 * BLOCK_N, kv_end, BLOCK_SIZE, BLOCK_N)
     else:
         for kv0 in tl.range(kv_start, kv_end, BLOCK_N, num_stages=LOOP_STAGES):
@@ -482,6 +546,16 @@ def paged_attention(
         out = torch.empty_like(q)
     if k_cache.stride(3) != 1 or q.stride(2) != 1 or out.stride(2) != 1:
         raise ValueError("paged_attention needs the head dimension contiguous in q, out and the caches")
+    if k_cache.stride() != v_cache.stride():
+        raise ValueError(f"paged_attention needs one layout for both caches, got strides {k_cache.stride()} (keys) "
+                         f"and {v_cache.stride()} (values)")  # fmt: skip
+    if k_cache.element_size() == 2 and (
+        any(n % 2 for n in (head_dim, k_cache.stride(1), k_cache.stride(2)))
+        or k_cache.data_ptr() % 4
+        or v_cache.data_ptr() % 4
+    ):  # the wide tiles read 16-bit caches as 32-bit words (_as_words)
+        raise ValueError("paged_attention reads 16-bit caches as 32-bit words: it needs an even head dimension, "
+                         "even strides and caches that start on a 4-byte boundary")  # fmt: skip
     use_pdl = tiles.pdl and supports_pdl(q.device)
     args = (
         q, k_cache, v_cache, out, workspace.partial_out, workspace.partial_lse, block_tables, plan.wide_items,
