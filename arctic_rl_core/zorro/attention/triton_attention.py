@@ -123,9 +123,8 @@ def _halve_twice(x, combine):
 
     ``tl.max``/``tl.sum`` combine a thread's elements of a row in one serial
     chain (16 dependent instructions per row of a 64-key step on Hopper);
-    after this it is 4 deep. The pairs (adjacent columns, then columns a
-    quarter of the row apart) sit in one thread in the MMA layout, so no data
-    moves.
+    after this it is 4 deep. The pairs (adjacent columns, then columns half a
+    row apart) sit in one thread in the MMA layout, so no data moves.
     """
     m: tl.constexpr = x.shape[0]
     n: tl.constexpr = x.shape[1]
