@@ -2,8 +2,9 @@
 
 Triton compiles for a target it is told about, down to a cubin, through the
 ``ptxas`` it bundles. So this CPU machine can check that a kernel (or a
-variant of one) builds for Hopper, and how many registers and spill bytes each
-thread needs: the numbers that decide how many programs fit on an SM. Used by
+variant of one) builds for Hopper, how many registers and spill bytes each
+thread needs (the numbers that decide how many programs fit on an SM), and
+what a loop's machine code holds. Used by
 ``tests/unit/test_triton_kernels_compile.py`` and ``scripts/kernel_registers.py``.
 """
 
@@ -70,3 +71,39 @@ def register_use(compiled, target: GPUTarget = HOPPER) -> RegisterUse:
     if registers is None or spills is None:
         raise RuntimeError(f"ptxas -v printed no register usage:\n{log}")
     return RegisterUse(int(registers.group(1)), int(spills.group(1)), int(spills.group(2)))
+
+
+def loop_opcodes(compiled, marker: str, target: GPUTarget = HOPPER) -> list[str]:
+    """The opcodes (``LDG``, ``HGMMA``, ...) of the loop that holds the last instruction containing ``marker``.
+
+    Read from ``nvdisasm``'s listing of the cubin: the loop runs from the
+    label that the first backward branch after that instruction jumps to,
+    down to that branch. What the listing shows is what each iteration
+    issues, so instruction diets are checked here, with no GPU.
+    """
+    from triton.backends.nvidia.compiler import get_ptxas
+
+    nvdisasm = Path(get_ptxas(target.arch).path).with_name("nvdisasm")
+    with tempfile.TemporaryDirectory() as tmp:
+        cubin = Path(tmp) / "kernel.cubin"
+        cubin.write_bytes(compiled.asm["cubin"])
+        listing = subprocess.run([str(nvdisasm), "-c", str(cubin)], capture_output=True, text=True, check=True).stdout
+    lines = listing.splitlines()
+    # Instruction lines carry their address as /*0a30*/; labels stand alone as .L_x_N:
+    instruction = re.compile(r"/\*[0-9a-f]{4,}\*/\s+(.*?)\s*;")
+    marked = max(i for i, line in enumerate(lines) if instruction.search(line) and marker in line)
+    for i in range(marked, len(lines)):
+        branch = re.search(r"BRA `?\((\.L_x_\d+)\)", lines[i])
+        if branch and f"{branch.group(1)}:" in lines[:marked]:
+            start = lines.index(f"{branch.group(1)}:")
+            break
+    else:
+        raise ValueError(f"no loop holds the last instruction containing {marker!r}")
+    opcodes = []
+    for line in lines[start : i + 1]:
+        found = instruction.search(line)
+        if found:
+            words = found.group(1).split()
+            opcode = words[1] if words[0].startswith("@") else words[0]  # skip a predicate guard
+            opcodes.append(opcode.split(".")[0])
+    return opcodes

@@ -1,6 +1,7 @@
 """Registers, spills and programs per SM of the FCA kernel's variants, built for Hopper here (no GPU needed).
 
-    python scripts/kernel_registers.py
+    python scripts/kernel_registers.py          # every variant's registers
+    python scripts/kernel_registers.py --loop   # the default wide decode tile's step loop, by opcode
 
 Each row is what ``paged_attention`` would launch for a bf16 Qwen2-0.5B layer
 (14 query heads, 2 KV heads, 64 dims, 16 positions per block), per thread as
@@ -11,11 +12,13 @@ the GPU (``benchmarks/fca_sweep.py``): this says why a variant may be faster.
 
 from __future__ import annotations
 
+import argparse
+import collections
 import dataclasses
 
 import torch
 
-from arctic_rl_core.triton_aot import register_use
+from arctic_rl_core.triton_aot import loop_opcodes, register_use
 from arctic_rl_core.zorro.attention.plan import ROWS_128, TileShape
 from arctic_rl_core.zorro.attention.triton_attention import compile_attention, programs_per_sm
 
@@ -37,7 +40,20 @@ VARIANTS = {
 }
 
 
+def print_step_loop() -> None:
+    """One iteration of the wide decode tile's step loop (the loop of the PV product's HGMMA), by opcode."""
+    compiled = compile_attention(DEFAULT, 14, 2, 64, 16, torch.bfloat16, True, True)
+    opcodes = collections.Counter(loop_opcodes(compiled, "tnspB"))
+    print(f"step loop: {sum(opcodes.values())} instructions (the masked step's branch included)")
+    print(" ".join(f"{name} {count}" for name, count in opcodes.most_common()))
+
+
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--loop", action="store_true", help="the default wide tile's step loop, by opcode")
+    if parser.parse_args().loop:
+        print_step_loop()
+        return
     print(f"{'variant':<20} {'tile':<7} {'mode':<8} {'warps':>5} {'regs':>5} {'spill st':>9} {'spill ld':>9} "
           f"{'smem':>7} {'per SM':>6}")  # fmt: skip
     for name, change in VARIANTS.items():
