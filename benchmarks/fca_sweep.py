@@ -39,8 +39,8 @@ def variants(quick: bool) -> list[tuple[TileShape, float]]:
         # twice the keys (wide tiles alone: 26.6 us at 4x16, 11.4 at 1x16 on an H100, slower too).
         (dataclasses.replace(default, block_n=128), 1.0),
         (rows128, 1.0),
-        # Wide tiles through Triton's pipelining (keys and values copied straight to shared memory, ~11%
-        # fewer instructions per step than the hand prefetch's register copies).
+        # Wide tiles through Triton's pipelining (keys and values copied straight to shared memory; slower
+        # than the hand prefetch on an H100: it waits for each step's block ids).
         (dataclasses.replace(default, wide_stages=2), 1.0),
         (dataclasses.replace(default, wide_stages=3), 1.0),
         (dataclasses.replace(default, block_n=32), 1.0),  # 3 programs per SM

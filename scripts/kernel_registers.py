@@ -40,9 +40,13 @@ VARIANTS = {
 }
 
 
+def build(tiles: TileShape, wide: bool, decode: bool):
+    return compile_attention(tiles, 14, 2, 64, 16, torch.bfloat16, wide, decode)
+
+
 def print_step_loop() -> None:
     """One iteration of the wide decode tile's step loop (the loop of the PV product's HGMMA), by opcode."""
-    compiled = compile_attention(DEFAULT, 14, 2, 64, 16, torch.bfloat16, True, True)
+    compiled = build(DEFAULT, wide=True, decode=True)
     opcodes = collections.Counter(loop_opcodes(compiled, "tnspB"))
     print(f"step loop: {sum(opcodes.values())} instructions (the masked step's branch included)")
     print(" ".join(f"{name} {count}" for name, count in opcodes.most_common()))
@@ -59,7 +63,7 @@ def main() -> None:
     for name, change in VARIANTS.items():
         tiles = dataclasses.replace(DEFAULT, **change)
         for wide, decode in ((True, True), (False, True), (True, False)):
-            compiled = compile_attention(tiles, 14, 2, 64, 16, torch.bfloat16, wide, decode)
+            compiled = build(tiles, wide, decode)
             use = register_use(compiled)
             warps = tiles.wide_warps if wide else 4
             shared = compiled.metadata.shared

@@ -204,7 +204,7 @@ def _attend_item(
         # Keys and values in 32-bit words (_as_words): strides and the row width in words.
         K_WORDS = _as_words(K_CACHE)
         V_WORDS = _as_words(V_CACHE)
-        PACK: tl.constexpr = 2 if K_CACHE.dtype.element_ty.primitive_bitwidth == 16 else 1
+        PACK: tl.constexpr = K_WORDS.dtype.element_ty.primitive_bitwidth // K_CACHE.dtype.element_ty.primitive_bitwidth
         WORDS: tl.constexpr = HEAD_DIM // PACK
         word_ks = stride_ks // PACK
         word_kh = stride_kh // PACK
