@@ -73,13 +73,16 @@ def register_use(compiled, target: GPUTarget = HOPPER) -> RegisterUse:
     return RegisterUse(int(registers.group(1)), int(spills.group(1)), int(spills.group(2)))
 
 
-def loop_opcodes(compiled, marker: str, target: GPUTarget = HOPPER) -> list[str]:
+def loop_opcodes(compiled, marker: str, target: GPUTarget = HOPPER, branches_taken: bool = False) -> list[str]:
     """The opcodes (``LDG``, ``HGMMA``, ...) of the loop that holds the last instruction containing ``marker``.
 
     Read from ``nvdisasm``'s listing of the cubin: the loop runs from the
     label that the first backward branch after that instruction jumps to,
     down to that branch. What the listing shows is what each iteration
-    issues, so instruction diets are checked here, with no GPU.
+    issues, so instruction diets are checked here, with no GPU. With
+    ``branches_taken``, what the loop's forward branches jump over is left
+    out: the path of an iteration that takes each of them (in the attention
+    kernel's step loop, a whole step, with no masks to apply).
     """
     from triton.backends.nvidia.compiler import get_ptxas
 
@@ -99,10 +102,17 @@ def loop_opcodes(compiled, marker: str, target: GPUTarget = HOPPER) -> list[str]
             break
     else:
         raise ValueError(f"no loop holds the last instruction containing {marker!r}")
+    loop = lines[start : i + 1]
+    skipped = set()
+    if branches_taken:
+        for j, line in enumerate(loop):
+            branch = re.search(r"BRA `?\((\.L_x_\d+)\)", line)
+            if branch and f"{branch.group(1)}:" in loop[j:]:
+                skipped.update(range(j + 1, loop.index(f"{branch.group(1)}:", j)))
     opcodes = []
-    for line in lines[start : i + 1]:
+    for j, line in enumerate(loop):
         found = instruction.search(line)
-        if found:
+        if found and j not in skipped:
             words = found.group(1).split()
             opcode = words[1] if words[0].startswith("@") else words[0]  # skip a predicate guard
             opcodes.append(opcode.split(".")[0])

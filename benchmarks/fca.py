@@ -1,6 +1,6 @@
 """Forest Cascade Attention on one GPU: the fused kernel vs plain attention on the same KV, then end to end.
 
-    python benchmarks/fca.py [--skip-e2e]
+    python benchmarks/fca.py [--skip-e2e] [--tiles int32_offsets=1,unmasked_prefetch=1]
 
 (Kernel variants side by side: ``benchmarks/fca_sweep.py``.)
 
@@ -22,6 +22,7 @@ log-probs of the two runs differ.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import tempfile
 import time
 from pathlib import Path
@@ -170,9 +171,22 @@ def kernel_benchmark(tiles: TileShape) -> None:
               f"SDPA {r['diff_sdpa_ref']:.2e}")  # fmt: skip
 
 
+def tile_shape(changes: str) -> TileShape:
+    """The engine's tile shape for this model, with ``name=value,...`` changes (``--tiles``): a variant to time."""
+    tiles = TileShape(HEADS // KV_HEADS)
+    for change in filter(None, changes.split(",")):
+        name, _, value = change.partition("=")
+        if name not in {field.name for field in dataclasses.fields(TileShape)} or not value.lstrip("-").isdigit():
+            raise SystemExit(f"--tiles takes name=integer pairs of TileShape's fields, got {change!r}")
+        kind = int if getattr(tiles, name) is None else type(getattr(tiles, name))  # wide_maxnreg: None or int
+        tiles = dataclasses.replace(tiles, **{name: kind(int(value))})
+    return tiles
+
+
 def e2e_benchmark(
-    model_dir: Path, group: int, prompt_len: int, new_tokens: int, replan: bool = False, sync: bool = False
-) -> None:
+    model_dir: Path, group: int, prompt_len: int, new_tokens: int, tiles: TileShape, replan: bool = False,
+    sync: bool = False,
+) -> None:  # fmt: skip
     from sampling import build_qwen2_05b, gpu_ms, native_engine
 
     from arctic_rl_core.engines.sampling.protocol import SamplingParams
@@ -185,6 +199,9 @@ def e2e_benchmark(
         engine = native_engine(path, prompt_len + new_tokens + 16, group, use_fca=use_fca,
                                extra={"async_scheduling": not sync})  # fmt: skip
         engine.runner.reuse_decode_plans = not replan  # --replan-every-step: the engine as it was before
+        if tiles != engine.runner.tiles:  # --tiles: the graphs are captured again with the variant
+            engine.runner.tiles = tiles
+            engine.runner.capture_graphs()
         # Warm-up at full length on another prompt: the first 8K prefill of a process allocates and compiles.
         engine.generate([[(t + 1) % 151936 for t in prompt]], params.model_copy(update={"max_tokens": 8}))
         engine.reset_prefix_cache()
@@ -238,13 +255,15 @@ def main() -> None:
     parser.add_argument("--replan-every-step", action="store_true", help="end to end without decode plan reuse")
     parser.add_argument("--sync-scheduling", action="store_true", help="end to end without asynchronous scheduling")
     parser.add_argument("--model-dir", type=Path, default=Path(tempfile.gettempdir()) / "qwen2-0.5b-random")
+    parser.add_argument("--tiles", default="", help="TileShape changes to time, as name=value,... (bools as 0/1)")
     args = parser.parse_args()
-    print(f"device: {torch.cuda.get_device_name()}")
+    tiles = tile_shape(args.tiles)
+    print(f"device: {torch.cuda.get_device_name()}; tiles: {tiles}")
     if not args.skip_kernels:
-        kernel_benchmark(TileShape(HEADS // KV_HEADS))
+        kernel_benchmark(tiles)
     if not args.skip_e2e:
-        e2e_benchmark(args.model_dir, group=16, prompt_len=8192, new_tokens=512, replan=args.replan_every_step,
-                      sync=args.sync_scheduling)  # fmt: skip
+        e2e_benchmark(args.model_dir, group=16, prompt_len=8192, new_tokens=512, tiles=tiles,
+                      replan=args.replan_every_step, sync=args.sync_scheduling)  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -1,7 +1,8 @@
 """Registers, spills and programs per SM of the FCA kernel's variants, built for Hopper here (no GPU needed).
 
-    python scripts/kernel_registers.py          # every variant's registers
-    python scripts/kernel_registers.py --loop   # the default wide decode tile's step loop, by opcode
+    python scripts/kernel_registers.py                    # every variant's registers
+    python scripts/kernel_registers.py --loop             # the default wide decode tile's step loop, by opcode
+    python scripts/kernel_registers.py --loop --variant lean   # a variant's
 
 Each row is what ``paged_attention`` would launch for a bf16 Qwen2-0.5B layer
 (14 query heads, 2 KV heads, 64 dims, 16 positions per block), per thread as
@@ -25,6 +26,9 @@ from arctic_rl_core.zorro.attention.triton_attention import compile_attention, p
 DEFAULT = TileShape(7)
 VARIANTS = {
     "default": {},
+    "int32_offsets": dict(int32_offsets=True),
+    "unmasked_prefetch": dict(unmasked_prefetch=True),
+    "lean": dict(int32_offsets=True, unmasked_prefetch=True),
     "maxnreg=168": dict(wide_maxnreg=168),
     "maxnreg=128": dict(wide_maxnreg=128),
     "late_loads": dict(early_loads=False),
@@ -44,19 +48,22 @@ def build(tiles: TileShape, wide: bool, decode: bool):
     return compile_attention(tiles, 14, 2, 64, 16, torch.bfloat16, wide, decode)
 
 
-def print_step_loop() -> None:
+def print_step_loop(variant: str) -> None:
     """One iteration of the wide decode tile's step loop (the loop of the PV product's HGMMA), by opcode."""
-    compiled = build(DEFAULT, wide=True, decode=True)
-    opcodes = collections.Counter(loop_opcodes(compiled, "tnspB"))
-    print(f"step loop: {sum(opcodes.values())} instructions (the masked step's branch included)")
-    print(" ".join(f"{name} {count}" for name, count in opcodes.most_common()))
+    compiled = build(dataclasses.replace(DEFAULT, **VARIANTS[variant]), wide=True, decode=True)
+    for branches_taken, what in ((False, "the masked step's branches included"), (True, "a whole step")):
+        opcodes = collections.Counter(loop_opcodes(compiled, "tnspB", branches_taken=branches_taken))
+        print(f"step loop ({variant}): {sum(opcodes.values())} instructions, {what}")
+        print("  " + " ".join(f"{name} {count}" for name, count in opcodes.most_common()))
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--loop", action="store_true", help="the default wide tile's step loop, by opcode")
-    if parser.parse_args().loop:
-        print_step_loop()
+    parser.add_argument("--loop", action="store_true", help="the wide tile's step loop, by opcode")
+    parser.add_argument("--variant", choices=VARIANTS, default="default", help="whose step loop (with --loop)")
+    args = parser.parse_args()
+    if args.loop:
+        print_step_loop(args.variant)
         return
     print(f"{'variant':<20} {'tile':<7} {'mode':<8} {'warps':>5} {'regs':>5} {'spill st':>9} {'spill ld':>9} "
           f"{'smem':>7} {'per SM':>6}")  # fmt: skip

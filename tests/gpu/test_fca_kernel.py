@@ -47,16 +47,21 @@ def _run(q, caches, tables, lengths, plan, positions, tiles, decode=True):
     return out, block_tables
 
 
-# The defaults (64-row tiles of up to 9 requests, early loads), 128-row tiles (a group of 16 requests in one), and
-# every load after the wait.
+# The defaults (64-row tiles of up to 9 requests, early loads), 128-row tiles (a group of 16 requests in one),
+# every load after the wait, and the instruction diets (32-bit offsets, unmasked loads ahead).
 TILES = [
     TileShape(GROUP),
     TileShape(GROUP, **ROWS_128),
     TileShape(GROUP, early_loads=False),
+    TileShape(GROUP, int32_offsets=True, unmasked_prefetch=True),
 ]
 
 
-@pytest.mark.parametrize("tiles", TILES, ids=lambda t: f"{t.wide_rows}rows{'-early' if t.early_loads else ''}")
+def _tiles_id(tiles: TileShape) -> str:
+    return f"{tiles.wide_rows}rows{'-early' if tiles.early_loads else ''}{'-lean' if tiles.unmasked_prefetch else ''}"
+
+
+@pytest.mark.parametrize("tiles", TILES, ids=_tiles_id)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("use_forest", [True, False])
 def test_decode_kernel_equals_reference(dtype, use_forest, tiles):
@@ -73,7 +78,28 @@ def test_decode_kernel_equals_reference(dtype, use_forest, tiles):
     torch.testing.assert_close(out.float(), expected, atol=tol, rtol=tol)
 
 
-@pytest.mark.parametrize("tiles", TILES, ids=lambda t: f"{t.wide_rows}rows{'-early' if t.early_loads else ''}")
+@pytest.mark.parametrize("tiles", TILES, ids=_tiles_id)
+def test_stale_cache_slots_never_reach_the_output(tiles):
+    """Every slot that holds no live position (block 0 and the free blocks too) is NaN: no output may see one."""
+    tables, lengths = _forest_batch(per_group=16)
+    tables = [[block + 1 for block in table] for table in tables]  # block 0 free: blocks past a range read it
+    caches = _cache(torch.bfloat16)
+    live = torch.zeros(caches[0].shape[:2], dtype=torch.bool, device="cuda")
+    for table, n in zip(tables, lengths):
+        positions = torch.arange(n, device="cuda")
+        live[torch.tensor(table, device="cuda")[positions // BS], positions % BS] = True
+    assert not live[0].any()
+    for cache in caches:
+        cache[~live] = float("nan")
+    q = torch.randn(len(tables), HKV * GROUP, D, device="cuda").to(torch.bfloat16)
+    plan = plan_decode(build_forest(tables, lengths, BS), lengths, tiles, target_items=264)
+    positions = torch.tensor([n - 1 for n in lengths], dtype=torch.int32, device="cuda")
+    out, block_tables = _run(q, caches, tables, lengths, plan, positions, tiles)
+    expected = paged_decode_attention(q.float(), caches[0].float(), caches[1].float(), block_tables, lengths, D**-0.5)
+    torch.testing.assert_close(out.float(), expected, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("tiles", TILES, ids=_tiles_id)
 def test_prefill_kernel_equals_reference(tiles):
     caches = _cache(torch.bfloat16)
     tables = [list(range(0, 70)), list(range(100, 103)), list(range(200, 260))]

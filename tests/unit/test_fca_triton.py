@@ -7,6 +7,7 @@ The checks run in a fresh Python with ``TRITON_INTERPRET=1``
 """
 
 import importlib
+from functools import partial
 
 import pytest
 import torch
@@ -47,9 +48,7 @@ THREE_LEVELS = (
 )
 
 
-def check_cascade_decode_kernel_equals_plain_attention(
-    group, target_items, narrow_prefetch=False, wide_stages=0, early_loads=False
-):
+def check_cascade_decode_kernel_equals_plain_attention(group, target_items, **tile_options):
     kernel = _kernel()
     tables, lengths = THREE_LEVELS
     forest = build_forest(tables, lengths, BS)
@@ -57,8 +56,7 @@ def check_cascade_decode_kernel_equals_plain_attention(
     k_cache, v_cache, block_tables, g = _setup(tables, group)
     q = torch.randn(len(tables), HKV * group, D, generator=g)
     # Narrow tiles of 4 rows (interpreter only; GPUs need 16) so that groups exercise both tile widths.
-    tiles = TileShape(group, wide_rows=32, narrow_rows=4, narrow_prefetch=narrow_prefetch, wide_stages=wide_stages,
-                      early_loads=early_loads)  # fmt: skip
+    tiles = TileShape(group, wide_rows=32, narrow_rows=4, **{"early_loads": False, **tile_options})
     plan = plan_decode(forest, lengths, tiles, target_items=target_items)
     assert len(plan.wide_items) > 0
     assert any(count > 1 for count in plan.narrow_items[:, 1]) or group > 1
@@ -68,7 +66,7 @@ def check_cascade_decode_kernel_equals_plain_attention(
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
 
 
-def check_cascade_decode_in_16_bit_equals_plain_attention(dtype):
+def check_cascade_decode_in_16_bit_equals_plain_attention(dtype, **tile_options):
     """16-bit caches, which the wide tiles read as 32-bit words and unpack: within the dtype's rounding."""
     kernel = _kernel()
     tables, lengths = THREE_LEVELS
@@ -76,7 +74,7 @@ def check_cascade_decode_in_16_bit_equals_plain_attention(dtype):
     k_cache, v_cache, block_tables, g = _setup(tables, 3)
     k_cache, v_cache = k_cache.to(dtype), v_cache.to(dtype)
     q = torch.randn(len(tables), HKV * 3, D, generator=g).to(dtype)
-    tiles = TileShape(3, wide_rows=32, narrow_rows=4)
+    tiles = TileShape(3, wide_rows=32, narrow_rows=4, **tile_options)
     plan = plan_decode(forest, lengths, tiles, target_items=64)
     assert len(plan.wide_items) > 0
     positions = torch.tensor([n - 1 for n in lengths], dtype=torch.int32)
@@ -100,12 +98,12 @@ def check_plain_decode_kernel_with_split_contexts_equals_reference():
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
 
 
-def check_a_decode_plan_serves_later_steps_up_to_its_capacity(target_items, narrow_prefetch=False):
+def check_a_decode_plan_serves_later_steps_up_to_its_capacity(target_items, **tile_options):
     """The engine reuses a step's plan while contexts grow within it: the kernel cuts each item at its query."""
     kernel = _kernel()
     tables, lengths = THREE_LEVELS
     tables = [table + [42 + i] for i, table in enumerate(tables)]  # a free block each, to grow into
-    tiles = TileShape(3, wide_rows=32, narrow_rows=4, narrow_prefetch=narrow_prefetch)
+    tiles = TileShape(3, wide_rows=32, narrow_rows=4, **tile_options)
     plan = plan_decode(build_forest(tables, lengths, BS), lengths, tiles, target_items=target_items)
     grown = [n + 3 for n in lengths]
     assert all(n <= room for n, room in zip(grown, plan.capacity))
@@ -120,7 +118,7 @@ def check_a_decode_plan_serves_later_steps_up_to_its_capacity(target_items, narr
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
 
 
-def check_prefill_kernel_is_causal_after_a_cached_prefix(early_loads=False, long_prefix=False):
+def check_prefill_kernel_is_causal_after_a_cached_prefix(long_prefix=False, **tile_options):
     kernel = _kernel()
     tables = [[3, 4, 5, 6, 7, 8], [9, 10], [11]]
     query_lens, lengths = [19, 7, 1], [23, 7, 3]  # request 0 has 4 cached positions, request 2 has 2
@@ -132,14 +130,14 @@ def check_prefill_kernel_is_causal_after_a_cached_prefix(early_loads=False, long
     positions = torch.tensor(
         [p for n, length in zip(query_lens, lengths) for p in range(length - n, length)], dtype=torch.int32
     )
-    tiles = TileShape(3, early_loads=early_loads)
+    tiles = TileShape(3, **{"early_loads": False, **tile_options})
     plan = plan_prefill(query_lens, lengths, tiles)
     out = _run(kernel, plan, q, k_cache, v_cache, block_tables, positions, tiles, decode=False)
     expected = paged_prefill_attention(q, k_cache, v_cache, block_tables, query_lens, lengths, SCALE)
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
 
 
-def check_decode_with_blocks_that_do_not_divide_a_step(block_size, block_n=64):
+def check_decode_with_blocks_that_do_not_divide_a_step(block_size, block_n=64, **tile_options):
     """Blocks larger than the kernel's step, or of a size that does not divide it, or than the plan's
     64-position chunk alignment, take the general path from positions to cache slots (one division per
     position)."""
@@ -152,7 +150,7 @@ def check_decode_with_blocks_that_do_not_divide_a_step(block_size, block_n=64):
     v_cache = torch.randn(12, block_size, HKV, D, generator=g)
     block_tables = torch.tensor([t + [0] * (9 - len(t)) for t in tables], dtype=torch.int32)
     q = torch.randn(len(tables), HKV * 3, D, generator=g)
-    tiles = TileShape(3, wide_rows=32, narrow_rows=4, block_n=block_n)
+    tiles = TileShape(3, wide_rows=32, narrow_rows=4, block_n=block_n, **tile_options)
     plan = plan_decode(build_forest(tables, lengths, block_size), lengths, tiles, target_items=64)
     assert len(plan.wide_items) > 0 and len(plan.merge_rows) > 0
     positions = torch.tensor([n - 1 for n in lengths], dtype=torch.int32)
@@ -160,6 +158,52 @@ def check_decode_with_blocks_that_do_not_divide_a_step(block_size, block_n=64):
     expected = paged_decode_attention(q, k_cache, v_cache, block_tables, lengths, SCALE)
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
 
+
+def check_stale_cache_values_never_reach_the_output(**tile_options):
+    """Every slot that holds no live position (block 0 and the free blocks too) is NaN, and no output may see one.
+
+    The shared prefix is one wide unit of three 64-key steps, the last one
+    partial: what lies past it is read ahead (blocks wholly past it as block
+    0), and must get no weight, with its values zero (0 * NaN is NaN).
+    """
+    kernel = _kernel()
+    prefix = list(range(1, 35))  # 136 positions: steps of 64, 64 and 8
+    tables = [prefix + [35 + i] for i in range(3)]
+    lengths = [len(prefix) * BS + n for n in (3, 1, 4)]
+    k_cache, v_cache, block_tables, g = _setup(tables, 3)
+    live = torch.zeros(k_cache.shape[:2], dtype=torch.bool)
+    for table, n in zip(tables, lengths):
+        for pos in range(n):
+            live[table[pos // BS], pos % BS] = True
+    k_cache[~live] = v_cache[~live] = float("nan")
+    q = torch.randn(len(tables), HKV * 3, D, generator=g)
+    tiles = TileShape(3, wide_rows=32, narrow_rows=4, **tile_options)
+    plan = plan_decode(build_forest(tables, lengths, BS), lengths, tiles, target_items=1)
+    spans = plan.wide_items[:, 4] - plan.wide_items[:, 3]
+    assert spans.tolist() == [len(prefix) * BS] and spans[0] % tiles.block_n > 0
+    positions = torch.tensor([n - 1 for n in lengths], dtype=torch.int32)
+    out = _run(kernel, plan, q, k_cache, v_cache, block_tables, positions, tiles)
+    expected = paged_decode_attention(q, k_cache, v_cache, block_tables, lengths, SCALE)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+
+
+def check_caches_whose_blocks_are_strided_views():
+    """Keys and values interleaved per block (``[blocks, 2, slots, heads, dim]``, as some engines lay them out)."""
+    kernel = _kernel()
+    tables, lengths = THREE_LEVELS
+    _, _, block_tables, g = _setup(tables, 3)
+    both = torch.randn(48, 2, BS, HKV, D, generator=g)
+    k_cache, v_cache = both[:, 0], both[:, 1]
+    q = torch.randn(len(tables), HKV * 3, D, generator=g)
+    tiles = TileShape(3, wide_rows=32, narrow_rows=4)
+    plan = plan_decode(build_forest(tables, lengths, BS), lengths, tiles, target_items=64)
+    positions = torch.tensor([n - 1 for n in lengths], dtype=torch.int32)
+    out = _run(kernel, plan, q, k_cache, v_cache, block_tables, positions, tiles)
+    expected = paged_decode_attention(q, k_cache, v_cache, block_tables, lengths, SCALE)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+
+
+LEAN = dict(int32_offsets=True, unmasked_prefetch=True)
 
 CHECKS = {
     # target_items 64: contexts split into 64-position chunks, then merged
@@ -176,18 +220,50 @@ CHECKS = {
         for t in (1, 64)
     },
     "prefill_causal": (check_prefill_kernel_is_causal_after_a_cached_prefix, ()),
-    "prefill_causal[long_prefix]": (check_prefill_kernel_is_causal_after_a_cached_prefix, (True, True)),
+    "prefill_causal[long_prefix]": (
+        partial(check_prefill_kernel_is_causal_after_a_cached_prefix, early_loads=True),
+        (True,),
+    ),
     **{f"decode_blocks_of_{n}": (check_decode_with_blocks_that_do_not_divide_a_step, (n,)) for n in (12, 128)},
     # 128-position steps over 128-position blocks: the step divides by the block, but chunks start at 64s.
     "decode_blocks_of_128[block_n=128]": (check_decode_with_blocks_that_do_not_divide_a_step, (128, 128)),
     # A program's first unit reads its plan and older keys before it would wait for the kernel before; a
     # prefill tile reloads its first step after the wait (every new token's key was just written).
-    "cascade_decode[early_loads]": (check_cascade_decode_kernel_equals_plain_attention, (3, 64, False, 0, True)),
-    "prefill_causal[early_loads]": (check_prefill_kernel_is_causal_after_a_cached_prefix, (True,)),
+    "cascade_decode[early_loads]": (
+        partial(check_cascade_decode_kernel_equals_plain_attention, early_loads=True),
+        (3, 64),
+    ),
+    "prefill_causal[early_loads]": (
+        partial(check_prefill_kernel_is_causal_after_a_cached_prefix, early_loads=True),
+        (),
+    ),
     # Narrow tiles' loads run ahead by hand, over suffix ranges that end past their queries.
-    "cascade_decode[narrow_prefetch]": (check_cascade_decode_kernel_equals_plain_attention, (3, 64, True)),
-    "cascade_decode[wide_stages]": (check_cascade_decode_kernel_equals_plain_attention, (3, 64, False, 3)),
-    "decode_plan_reused[narrow_prefetch]": (check_a_decode_plan_serves_later_steps_up_to_its_capacity, (64, True)),
+    "cascade_decode[narrow_prefetch]": (
+        partial(check_cascade_decode_kernel_equals_plain_attention, narrow_prefetch=True),
+        (3, 64),
+    ),
+    "cascade_decode[wide_stages]": (
+        partial(check_cascade_decode_kernel_equals_plain_attention, wide_stages=3),
+        (3, 64),
+    ),
+    "decode_plan_reused[narrow_prefetch]": (
+        partial(check_a_decode_plan_serves_later_steps_up_to_its_capacity, narrow_prefetch=True),
+        (64,),
+    ),
+    "stale_cache": (check_stale_cache_values_never_reach_the_output, ()),
+    # 32-bit cache offsets and the loads ahead unmasked where they may be (TileShape's instruction diets).
+    **{
+        name: (partial(check, **LEAN), args)
+        for name, check, args in (
+            ("cascade_decode[lean]", check_cascade_decode_kernel_equals_plain_attention, (3, 64)),
+            ("cascade_decode[fp16,lean]", check_cascade_decode_in_16_bit_equals_plain_attention, (torch.float16,)),
+            ("decode_plan_reused[lean]", check_a_decode_plan_serves_later_steps_up_to_its_capacity, (1,)),
+            ("prefill_causal[long_prefix,lean]", check_prefill_kernel_is_causal_after_a_cached_prefix, (True,)),
+            ("decode_blocks_of_12[lean]", check_decode_with_blocks_that_do_not_divide_a_step, (12,)),
+            ("stale_cache[lean]", check_stale_cache_values_never_reach_the_output, ()),
+        )
+    },
+    "cache_blocks_not_outermost": (check_caches_whose_blocks_are_strided_views, ()),
 }
 
 
@@ -221,6 +297,18 @@ def test_paged_attention_names_what_it_needs_of_its_inputs(case, message):
     with pytest.raises(ValueError, match=message):
         kernel.paged_attention(q, k_cache, v_cache, block_tables, positions, device_plan, workspace,
                                0.0 if case == "scale" else SCALE, tiles)  # fmt: skip
+
+
+def test_32_bit_offsets_only_where_they_reach_every_cache_value():
+    kernel = _kernel()
+    assert kernel.fits_int32_offsets(torch.empty(2**16, 16, 16, 128, device="meta"))  # 2**31 values: offsets fit
+    assert not kernel.fits_int32_offsets(torch.empty(2**17, 16, 16, 128, device="meta"))
+    # A view of 2**30 values whose last is 2**32 - 2**17 + 2**15 - 1 values after its first.
+    assert not kernel.fits_int32_offsets(torch.empty(2**15, 4, 16, 16, 128, device="meta")[:, 0])
+    tiles = TileShape(7, int32_offsets=True)
+    options = [kernel.kernel_options(tiles, 14, 2, 64, 16, torch.bfloat16, True, True, True, fits)["INT32_OFFSETS"]
+               for fits in (True, False)]  # fmt: skip
+    assert options == [True, False]
 
 
 if __name__ == "__main__":

@@ -59,7 +59,11 @@ class TileShape:
     older keys before it waits for the kernel that wrote its queries;
     ``narrow_prefetch`` runs the narrow tiles' loads ahead by hand, as the
     wide tiles' are unless ``wide_stages`` (> 0) gives them Triton's
-    pipelining with that many stages.
+    pipelining with that many stages; ``unmasked_prefetch`` drops those
+    loads' masks where they are not needed; ``int32_offsets`` computes
+    cache offsets in 32 bits where the cache allows. The last two are
+    instruction diets built without a GPU (``scripts/kernel_registers.py
+    --loop``), off until ``benchmarks/fca_sweep.py`` times them.
     """
 
     group: int
@@ -79,6 +83,9 @@ class TileShape:
     # Off: no gain measured on an H100 (``benchmarks/fca_sweep.py`` runs each against the default).
     narrow_prefetch: bool = False
     wide_stages: int = 0
+    # A 64-key wide step, unmasked, as the device's Triton 3.6 builds it for Hopper: 349 instructions; 300 with both.
+    unmasked_prefetch: bool = False
+    int32_offsets: bool = False
 
     def __post_init__(self):
         if self.group < 1 or self.group > self.narrow_rows:

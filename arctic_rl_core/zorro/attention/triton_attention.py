@@ -58,26 +58,39 @@ def _block_ids(table, kv0, kv_end, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constex
 
 @triton.jit
 def _kv_offsets(
-    blocks, kv0, kv_end, kv_head, stride_ks, stride_kh,
-    HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+    blocks, kv0, kv_end, kv_head, stride_kb, stride_ks, stride_kh,
+    HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, INT32_OFFSETS: tl.constexpr,
 ):  # fmt: skip
-    """Where positions ``kv0 + [0, BLOCK_N)`` of one KV head sit in either cache, and which are before ``kv_end``."""
+    """Where positions ``kv0 + [0, BLOCK_N)`` of one KV head sit in either cache, and which are before ``kv_end``.
+
+    In 64 bits, or with ``INT32_OFFSETS`` (the launch checked that the whole
+    cache is within 2**31 values of its start) in 32: each of a thread's rows
+    then costs one multiply-add, and each address one shift-add from the
+    cache's start instead of a 64-bit multiply, shift and add.
+    """
     kv_pos = kv0 + tl.arange(0, BLOCK_N)
     if BLOCK_N % BLOCK_SIZE == 0 and _ITEM_ALIGN % BLOCK_SIZE == 0:
-        # As in _block_ids: each row's offset in its block is a constant, so a row costs one multiply.
+        # As in _block_ids: each row's offset in its block is a constant, with no per-position division.
         in_block = (tl.arange(0, BLOCK_N) % BLOCK_SIZE) * stride_ks
-        row = blocks.to(tl.int64) * (BLOCK_SIZE * stride_ks) + in_block
     else:
-        row = (blocks.to(tl.int64) * BLOCK_SIZE + kv_pos % BLOCK_SIZE) * stride_ks
-    return row[:, None] + (kv_head * stride_kh + tl.arange(0, HEAD_DIM))[None, :], (kv_pos < kv_end)[:, None]
+        in_block = (kv_pos % BLOCK_SIZE) * stride_ks
+    if INT32_OFFSETS:
+        # Unsigned (the values are never negative): a signed offset costs a sign extension per address.
+        row = (blocks * stride_kb + in_block).to(tl.uint32)
+        column = (kv_head * stride_kh + tl.arange(0, HEAD_DIM)).to(tl.uint32)
+    else:
+        row = blocks.to(tl.int64) * stride_kb + in_block
+        column = kv_head * stride_kh + tl.arange(0, HEAD_DIM)
+    return row[:, None] + column[None, :], (kv_pos < kv_end)[:, None]
 
 
 @triton.jit
 def _load_kv(
-    K_CACHE, V_CACHE, blocks, kv0, kv_end, kv_head, stride_ks, stride_kh,
-    HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+    K_CACHE, V_CACHE, blocks, kv0, kv_end, kv_head, stride_kb, stride_ks, stride_kh,
+    HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, INT32_OFFSETS: tl.constexpr,
 ):  # fmt: skip
-    offsets, valid = _kv_offsets(blocks, kv0, kv_end, kv_head, stride_ks, stride_kh, HEAD_DIM, BLOCK_SIZE, BLOCK_N)
+    offsets, valid = _kv_offsets(blocks, kv0, kv_end, kv_head, stride_kb, stride_ks, stride_kh, HEAD_DIM, BLOCK_SIZE,
+                                 BLOCK_N, INT32_OFFSETS)  # fmt: skip
     return tl.load(K_CACHE + offsets, mask=valid, other=0.0), tl.load(V_CACHE + offsets, mask=valid, other=0.0)
 
 
@@ -160,10 +173,11 @@ def _softmax_step(
 @triton.jit
 def _attend_item(
     Q, K_CACHE, V_CACHE, OUT, PART_O, PART_LSE, BLOCK_TABLES, item, kv_head, QUERY_INDEX, QUERY_POS,
-    scale_log2, stride_qt, stride_qh, stride_ks, stride_kh, stride_ot, stride_oh, stride_bt,
+    scale_log2, stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_ot, stride_oh, stride_bt,
     NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, PREFETCH: tl.constexpr,
     LOOP_STAGES: tl.constexpr, first, WAIT: tl.constexpr, DECODE: tl.constexpr, MAY_OVERRUN: tl.constexpr,
+    INT32_OFFSETS: tl.constexpr, UNMASKED_PREFETCH: tl.constexpr,
 ):  # fmt: skip
     """One work unit: a tile of queries (``BLOCK_M // GROUP`` of them, all heads of one KV head) over a KV range.
 
@@ -182,6 +196,13 @@ def _attend_item(
     and, in ``DECODE``, the keys and values before the earliest query (that
     kernel wrote only the queries and their own keys and values). So the
     chain of dependent loads that starts the unit overlaps its tail.
+
+    ``UNMASKED_PREFETCH`` drops the masks of the loads run ahead by hand
+    where they are not needed. A step's keys past the range are read as they
+    are: their addresses are in the cache (blocks wholly past the range read
+    block 0) and the masked step gives their scores no weight. Its values are
+    read unmasked only when the whole step is in the range: a weight of 0
+    times a NaN left in a free slot would still poison the sum.
     """
     rows = tl.arange(0, BLOCK_M)
     dims = tl.arange(0, HEAD_DIM)
@@ -206,6 +227,7 @@ def _attend_item(
         V_WORDS = _as_words(V_CACHE)
         PACK: tl.constexpr = K_WORDS.dtype.element_ty.primitive_bitwidth // K_CACHE.dtype.element_ty.primitive_bitwidth
         WORDS: tl.constexpr = HEAD_DIM // PACK
+        word_kb = stride_kb // PACK
         word_ks = stride_ks // PACK
         word_kh = stride_kh // PACK
         # The first step's K and V are requested before the queries, whose loads take as long.
@@ -218,8 +240,8 @@ def _attend_item(
                 written_end = tl.minimum(kv_end, tl.min(tl.where(row_valid, position, kv_end), axis=0))
             else:
                 written_end = kv_start  # prefill: it wrote the keys of every new token, in other tiles too
-        k, v = _load_kv(K_WORDS, V_WORDS, blocks, kv_start, written_end, kv_head, word_ks, word_kh, WORDS,
-                        BLOCK_SIZE, BLOCK_N)  # fmt: skip
+        k, v = _load_kv(K_WORDS, V_WORDS, blocks, kv_start, written_end, kv_head, word_kb, word_ks, word_kh, WORDS,
+                        BLOCK_SIZE, BLOCK_N, INT32_OFFSETS)  # fmt: skip
         blocks = _block_ids(table, kv_start + BLOCK_N, kv_end, BLOCK_SIZE, BLOCK_N)
     if WAIT:
         if first:
@@ -227,7 +249,8 @@ def _attend_item(
     if PREFETCH:
         if written_end < tl.minimum(kv_end, kv_start + BLOCK_N):  # the first step holds keys written just before
             k, v = _load_kv(K_WORDS, V_WORDS, _block_ids(table, kv_start, kv_end, BLOCK_SIZE, BLOCK_N), kv_start,
-                            kv_end, kv_head, word_ks, word_kh, WORDS, BLOCK_SIZE, BLOCK_N)  # fmt: skip
+                            kv_end, kv_head, word_kb, word_ks, word_kh, WORDS, BLOCK_SIZE, BLOCK_N,
+                            INT32_OFFSETS)  # fmt: skip
 
     head = kv_head * GROUP + rows % GROUP
     q = tl.load(Q + token[:, None] * stride_qt + head[:, None] * stride_qh + dims[None, :], mask=row_valid[:, None],
@@ -253,17 +276,28 @@ def _attend_item(
             k_step = _values(k, K_CACHE.dtype.element_ty)
             v_step = _values(v, V_CACHE.dtype.element_ty)
             scores = tl.dot(q, tl.trans(k_step), input_precision=PRECISION)
-            offsets, valid = _kv_offsets(blocks, kv0 + BLOCK_N, kv_end, kv_head, word_ks, word_kh, WORDS, BLOCK_SIZE,
-                                         BLOCK_N)  # fmt: skip
-            k = tl.load(K_WORDS + offsets, mask=valid, other=0)
+            offsets, valid = _kv_offsets(blocks, kv0 + BLOCK_N, kv_end, kv_head, word_kb, word_ks, word_kh, WORDS,
+                                         BLOCK_SIZE, BLOCK_N, INT32_OFFSETS)  # fmt: skip
+            if UNMASKED_PREFETCH:
+                k = tl.load(K_WORDS + offsets)
+            else:
+                k = tl.load(K_WORDS + offsets, mask=valid, other=0)
             acc, l_i, m_i = _softmax_step(scores, v_step, acc, l_i, m_i, kv0, kv_end, position, scale_log2, BLOCK_N,
                                           PRECISION, masked=kv0 >= full_end)  # fmt: skip
-            v = tl.load(V_WORDS + offsets, mask=valid, other=0)
+            if UNMASKED_PREFETCH:
+                next_whole = kv0 + 2 * BLOCK_N <= kv_end
+            else:
+                next_whole = False
+            if next_whole:
+                v = tl.load(V_WORDS + offsets)
+            else:
+                v = tl.load(V_WORDS + offsets, mask=valid, other=0)
             blocks = _block_ids(table, kv0 + 2 * BLOCK_N, kv_end, BLOCK_SIZE, BLOCK_N)
     else:
         for kv0 in tl.range(kv_start, kv_end, BLOCK_N, num_stages=LOOP_STAGES):
             k, v = _load_kv(K_CACHE, V_CACHE, _block_ids(table, kv0, kv_end, BLOCK_SIZE, BLOCK_N), kv0, kv_end,
-                            kv_head, stride_ks, stride_kh, HEAD_DIM, BLOCK_SIZE, BLOCK_N)  # fmt: skip
+                            kv_head, stride_kb, stride_ks, stride_kh, HEAD_DIM, BLOCK_SIZE, BLOCK_N,
+                            INT32_OFFSETS)  # fmt: skip
             scores = tl.dot(q, tl.trans(k), input_precision=PRECISION)
             acc, l_i, m_i = _softmax_step(scores, v, acc, l_i, m_i, kv0, kv_end, position, scale_log2, BLOCK_N,
                                           PRECISION, masked=kv0 >= full_end)  # fmt: skip
@@ -284,11 +318,12 @@ def _attend_item(
 @triton.jit
 def _attend_items(
     Q, K_CACHE, V_CACHE, OUT, PART_O, PART_LSE, BLOCK_TABLES, WIDE_ITEMS, NARROW_ITEMS, COUNTS, QUERY_INDEX,
-    QUERY_POS, scale_log2, stride_qt, stride_qh, stride_ks, stride_kh, stride_ot, stride_oh, stride_bt,
+    QUERY_POS, scale_log2, stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_ot, stride_oh, stride_bt,
     NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, WIDE_M: tl.constexpr, NARROW_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_WIDE: tl.constexpr, PRECISION: tl.constexpr, USE_PDL: tl.constexpr, EARLY: tl.constexpr,
     DECODE: tl.constexpr, NARROW_PREFETCH: tl.constexpr, NARROW_STAGES: tl.constexpr, WIDE_STAGES: tl.constexpr,
+    INT32_OFFSETS: tl.constexpr, UNMASKED_PREFETCH: tl.constexpr,
 ):  # fmt: skip
     """Persistent over (item, KV head) work units: the wide items first (the longest), then the narrow ones.
 
@@ -313,20 +348,22 @@ def _attend_items(
                 _attend_item(
                     Q, K_CACHE, V_CACHE, OUT, PART_O, PART_LSE, BLOCK_TABLES,
                     WIDE_ITEMS + (work // NUM_KV_HEADS) * 6, work % NUM_KV_HEADS, QUERY_INDEX, QUERY_POS,
-                    scale_log2, stride_qt, stride_qh, stride_ks, stride_kh, stride_ot, stride_oh, stride_bt,
+                    scale_log2, stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_ot, stride_oh, stride_bt,
                     NUM_HEADS, GROUP, HEAD_DIM, BLOCK_SIZE, WIDE_M, BLOCK_N, PRECISION, PREFETCH=WIDE_STAGES == 0,
                     LOOP_STAGES=WIDE_STAGES,
-                    first=first, WAIT=USE_PDL, DECODE=DECODE, MAY_OVERRUN=False,
+                    first=first, WAIT=USE_PDL, DECODE=DECODE, MAY_OVERRUN=False, INT32_OFFSETS=INT32_OFFSETS,
+                    UNMASKED_PREFETCH=UNMASKED_PREFETCH,
                 )  # fmt: skip
         else:
             unit = work - num_wide
             _attend_item(
                 Q, K_CACHE, V_CACHE, OUT, PART_O, PART_LSE, BLOCK_TABLES,
                 NARROW_ITEMS + (unit // NUM_KV_HEADS) * 6, unit % NUM_KV_HEADS, QUERY_INDEX, QUERY_POS,
-                scale_log2, stride_qt, stride_qh, stride_ks, stride_kh, stride_ot, stride_oh, stride_bt,
+                scale_log2, stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_ot, stride_oh, stride_bt,
                 NUM_HEADS, GROUP, HEAD_DIM, BLOCK_SIZE, NARROW_M, BLOCK_N, PRECISION, PREFETCH=NARROW_PREFETCH,
                 LOOP_STAGES=NARROW_STAGES,
-                first=first, WAIT=USE_PDL, DECODE=DECODE, MAY_OVERRUN=True,
+                first=first, WAIT=USE_PDL, DECODE=DECODE, MAY_OVERRUN=True, INT32_OFFSETS=INT32_OFFSETS,
+                UNMASKED_PREFETCH=UNMASKED_PREFETCH,
             )  # fmt: skip
     if USE_PDL:
         if EARLY:
@@ -478,19 +515,30 @@ def _resident_programs(args, options: dict, device) -> int:
 
 def kernel_options(
     tiles: TileShape, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype,
-    wide: bool, decode: bool, use_pdl: bool,
+    wide: bool, decode: bool, use_pdl: bool, cache_fits_int32: bool = True,
 ) -> dict:  # fmt: skip
-    """``_attend_items``'s compile-time constants and launch options for one model's attention."""
+    """``_attend_items``'s compile-time constants and launch options for one model's attention.
+
+    ``cache_fits_int32``: every value of the caches is within 2**31 values of
+    their start (``fits_int32_offsets``), so ``tiles.int32_offsets`` may apply.
+    """
     options = dict(
         NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, GROUP=tiles.group, HEAD_DIM=head_dim,
         BLOCK_SIZE=block_size, WIDE_M=tiles.wide_rows, NARROW_M=tiles.narrow_rows, BLOCK_N=tiles.block_n,
         HAS_WIDE=wide, PRECISION="ieee" if dtype == torch.float32 else "tf32", USE_PDL=use_pdl,
         EARLY=tiles.early_loads, DECODE=decode, NARROW_PREFETCH=tiles.narrow_prefetch, NARROW_STAGES=tiles.stages,
-        WIDE_STAGES=tiles.wide_stages, num_warps=tiles.wide_warps if wide else 4, num_stages=tiles.stages,
+        WIDE_STAGES=tiles.wide_stages, INT32_OFFSETS=tiles.int32_offsets and cache_fits_int32,
+        UNMASKED_PREFETCH=tiles.unmasked_prefetch, num_warps=tiles.wide_warps if wide else 4, num_stages=tiles.stages,
     )  # fmt: skip
     if wide and tiles.wide_maxnreg:
         options["maxnreg"] = tiles.wide_maxnreg
     return options
+
+
+def fits_int32_offsets(cache: torch.Tensor) -> bool:
+    """Whether every value of ``cache`` lies within 2**31 values of its first, so 32-bit offsets reach them all."""
+    last = sum((size - 1) * stride for size, stride in zip(cache.shape, cache.stride()))
+    return cache.numel() == 0 or last < 2**31
 
 
 _DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
@@ -507,9 +555,9 @@ def compile_attention(
     types = dict.fromkeys(("Q", "K_CACHE", "V_CACHE", "OUT", "PART_O"), value)
     plan = ("BLOCK_TABLES", "WIDE_ITEMS", "NARROW_ITEMS", "COUNTS", "QUERY_INDEX", "QUERY_POS")
     types.update(dict.fromkeys(plan, "*i32"), PART_LSE="*fp32", scale_log2="fp32")
-    # Whole allocations, and the strides of [tokens, heads, dim] and [slots, kv heads, dim] with dim % 16 == 0;
+    # Whole allocations, and the strides of [tokens, heads, dim] and [blocks, slots, kv heads, dim] with dim % 16 == 0;
     # the block table's row stride (its width) varies.
-    strides = ("stride_qt", "stride_qh", "stride_ks", "stride_kh", "stride_ot", "stride_oh")
+    strides = ("stride_qt", "stride_qh", "stride_kb", "stride_ks", "stride_kh", "stride_ot", "stride_oh")
     aligned = [name for name in (*types, *strides) if name != "scale_log2"]
     return triton_aot.compile_for(_attend_items, types, options, aligned, target, **launch)
 
@@ -549,9 +597,7 @@ def paged_attention(
         raise ValueError(f"paged_attention needs one layout for both caches, got strides {k_cache.stride()} (keys) "
                          f"and {v_cache.stride()} (values)")  # fmt: skip
     if k_cache.element_size() == 2 and (
-        any(n % 2 for n in (head_dim, k_cache.stride(1), k_cache.stride(2)))
-        or k_cache.data_ptr() % 4
-        or v_cache.data_ptr() % 4
+        any(n % 2 for n in (head_dim, *k_cache.stride()[:3])) or k_cache.data_ptr() % 4 or v_cache.data_ptr() % 4
     ):  # the wide tiles read 16-bit caches as 32-bit words (_as_words)
         raise ValueError("paged_attention reads 16-bit caches as 32-bit words: it needs an even head dimension, "
                          "even strides and caches that start on a 4-byte boundary")  # fmt: skip
@@ -559,10 +605,11 @@ def paged_attention(
     args = (
         q, k_cache, v_cache, out, workspace.partial_out, workspace.partial_lse, block_tables, plan.wide_items,
         plan.narrow_items, plan.counts, plan.query_index, query_positions, scale * LOG2E,
-        q.stride(0), q.stride(1), k_cache.stride(1), k_cache.stride(2), out.stride(0), out.stride(1),
-        block_tables.stride(0),
+        q.stride(0), q.stride(1), *k_cache.stride()[:3], out.stride(0), out.stride(1), block_tables.stride(0),
     )  # fmt: skip
-    options = kernel_options(tiles, num_heads, num_kv_heads, head_dim, k_cache.shape[1], q.dtype, wide, decode, use_pdl)
+    fits = fits_int32_offsets(k_cache) and fits_int32_offsets(v_cache)
+    options = kernel_options(tiles, num_heads, num_kv_heads, head_dim, k_cache.shape[1], q.dtype, wide, decode, use_pdl,
+                             fits)  # fmt: skip
     programs = _resident_programs(args, options, q.device) if q.is_cuda else 4
     _attend_items[(programs,)](*args, **options, **({"launch_pdl": True} if use_pdl else {}))
     if merge:
