@@ -258,6 +258,12 @@ CHECKS = {
             ("cascade_decode[lean]", check_cascade_decode_kernel_equals_plain_attention, (3, 64)),
             ("cascade_decode[fp16,lean]", check_cascade_decode_in_16_bit_equals_plain_attention, (torch.float16,)),
             ("decode_plan_reused[lean]", check_a_decode_plan_serves_later_steps_up_to_its_capacity, (1,)),
+            # The narrow tiles' own loads ahead, over suffix ranges that end past their queries.
+            (
+                "decode_plan_reused[narrow_prefetch,lean]",
+                partial(check_a_decode_plan_serves_later_steps_up_to_its_capacity, narrow_prefetch=True),
+                (64,),
+            ),
             ("prefill_causal[long_prefix,lean]", check_prefill_kernel_is_causal_after_a_cached_prefix, (True,)),
             ("decode_blocks_of_12[lean]", check_decode_with_blocks_that_do_not_divide_a_step, (12,)),
             ("stale_cache[lean]", check_stale_cache_values_never_reach_the_output, ()),
