@@ -607,7 +607,7 @@ def paged_attention(
         plan.narrow_items, plan.counts, plan.query_index, query_positions, scale * LOG2E,
         q.stride(0), q.stride(1), *k_cache.stride()[:3], out.stride(0), out.stride(1), block_tables.stride(0),
     )  # fmt: skip
-    fits = fits_int32_offsets(k_cache) and fits_int32_offsets(v_cache)
+    fits = tiles.int32_offsets and fits_int32_offsets(k_cache) and fits_int32_offsets(v_cache)
     options = kernel_options(tiles, num_heads, num_kv_heads, head_dim, k_cache.shape[1], q.dtype, wide, decode, use_pdl,
                              fits)  # fmt: skip
     programs = _resident_programs(args, options, q.device) if q.is_cuda else 4
