@@ -1,6 +1,6 @@
 """Forest Cascade Attention on one GPU: the fused kernel vs plain attention on the same KV, then end to end.
 
-    python benchmarks/fca.py [--skip-e2e] [--tiles int32_offsets=1,unmasked_prefetch=1]
+    python benchmarks/fca.py [--skip-e2e] [--tiles int32_offsets=0,wide_maxnreg=168]
 
 (Kernel variants side by side: ``benchmarks/fca_sweep.py``.)
 

@@ -2,7 +2,7 @@
 
     python scripts/kernel_registers.py                    # every variant's registers
     python scripts/kernel_registers.py --loop             # the default wide decode tile's step loop, by opcode
-    python scripts/kernel_registers.py --loop --variant lean   # a variant's
+    python scripts/kernel_registers.py --loop --variant int64_offsets   # a variant's
 
 Each row is what ``paged_attention`` would launch for a bf16 Qwen2-0.5B layer
 (14 query heads, 2 KV heads, 64 dims, 16 positions per block), per thread as
@@ -26,9 +26,7 @@ from arctic_rl_core.zorro.attention.triton_attention import compile_attention, p
 DEFAULT = TileShape(7)
 VARIANTS = {
     "default": {},
-    "int32_offsets": dict(int32_offsets=True),
-    "unmasked_prefetch": dict(unmasked_prefetch=True),
-    "lean": dict(int32_offsets=True, unmasked_prefetch=True),
+    "int64_offsets": dict(int32_offsets=False),
     "maxnreg=168": dict(wide_maxnreg=168),
     "maxnreg=128": dict(wide_maxnreg=128),
     "late_loads": dict(early_loads=False),

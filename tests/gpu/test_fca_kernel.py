@@ -48,17 +48,17 @@ def _run(q, caches, tables, lengths, plan, positions, tiles, decode=True):
 
 
 # The defaults (64-row tiles of up to 9 requests, early loads), 128-row tiles (a group of 16 requests in one),
-# every load after the wait, and the instruction diets (32-bit offsets, unmasked loads ahead).
+# every load after the wait, and 64-bit cache offsets (what caches of 2**31 values or more take).
 TILES = [
     TileShape(GROUP),
     TileShape(GROUP, **ROWS_128),
     TileShape(GROUP, early_loads=False),
-    TileShape(GROUP, int32_offsets=True, unmasked_prefetch=True),
+    TileShape(GROUP, int32_offsets=False),
 ]
 
 
 def _tiles_id(tiles: TileShape) -> str:
-    return f"{tiles.wide_rows}rows{'-early' if tiles.early_loads else ''}{'-lean' if tiles.unmasked_prefetch else ''}"
+    return f"{tiles.wide_rows}rows{'-early' if tiles.early_loads else ''}{'' if tiles.int32_offsets else '-int64'}"
 
 
 @pytest.mark.parametrize("tiles", TILES, ids=_tiles_id)

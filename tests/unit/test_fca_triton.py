@@ -203,8 +203,6 @@ def check_caches_whose_blocks_are_strided_views():
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
 
 
-LEAN = dict(int32_offsets=True, unmasked_prefetch=True)
-
 CHECKS = {
     # target_items 64: contexts split into 64-position chunks, then merged
     **{
@@ -251,22 +249,14 @@ CHECKS = {
         (64,),
     ),
     "stale_cache": (check_stale_cache_values_never_reach_the_output, ()),
-    # 32-bit cache offsets and the loads ahead unmasked where they may be (TileShape's instruction diets).
+    # 64-bit cache offsets (int32_offsets=False: what caches of 2**31 values or more take).
     **{
-        name: (partial(check, **LEAN), args)
+        name: (partial(check, int32_offsets=False), args)
         for name, check, args in (
-            ("cascade_decode[lean]", check_cascade_decode_kernel_equals_plain_attention, (3, 64)),
-            ("cascade_decode[fp16,lean]", check_cascade_decode_in_16_bit_equals_plain_attention, (torch.float16,)),
-            ("decode_plan_reused[lean]", check_a_decode_plan_serves_later_steps_up_to_its_capacity, (1,)),
-            # The narrow tiles' own loads ahead, over suffix ranges that end past their queries.
-            (
-                "decode_plan_reused[narrow_prefetch,lean]",
-                partial(check_a_decode_plan_serves_later_steps_up_to_its_capacity, narrow_prefetch=True),
-                (64,),
-            ),
-            ("prefill_causal[long_prefix,lean]", check_prefill_kernel_is_causal_after_a_cached_prefix, (True,)),
-            ("decode_blocks_of_12[lean]", check_decode_with_blocks_that_do_not_divide_a_step, (12,)),
-            ("stale_cache[lean]", check_stale_cache_values_never_reach_the_output, ()),
+            ("cascade_decode[int64]", check_cascade_decode_kernel_equals_plain_attention, (3, 64)),
+            ("cascade_decode[fp16,int64]", check_cascade_decode_in_16_bit_equals_plain_attention, (torch.float16,)),
+            ("prefill_causal[long_prefix,int64]", check_prefill_kernel_is_causal_after_a_cached_prefix, (True,)),
+            ("decode_blocks_of_12[int64]", check_decode_with_blocks_that_do_not_divide_a_step, (12,)),
         )
     },
     "cache_blocks_not_outermost": (check_caches_whose_blocks_are_strided_views, ()),

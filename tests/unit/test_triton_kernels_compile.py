@@ -26,7 +26,7 @@ VARIANTS = {
     "rows128": dataclasses.replace(DEFAULT, **ROWS_128),
     "narrow_prefetch": dataclasses.replace(DEFAULT, narrow_prefetch=True),
     "wide_stages": dataclasses.replace(DEFAULT, wide_stages=3),
-    "lean": dataclasses.replace(DEFAULT, int32_offsets=True, unmasked_prefetch=True),
+    "int64_offsets": dataclasses.replace(DEFAULT, int32_offsets=False),
 }
 
 
@@ -73,19 +73,18 @@ def test_wide_step_loop_stores_keys_and_values_straight_from_their_loads():
     assert sum(opcodes.values()) < 520  # 549 with the 16-bit values, 500 with words (Triton 3.9)
 
 
-def test_lean_tiles_take_whole_steps_without_masks_or_64_bit_addresses():
-    """``int32_offsets`` and ``unmasked_prefetch``: a whole step (no mask to apply) issues no masked load's zero fill
-    and is ~14% shorter (351 -> 302 instructions with the device's Triton 3.6, 371 -> 324 with 3.9)."""
+def test_32_bit_offsets_take_fewer_instructions_per_step():
+    """A whole wide step (no mask to apply) with 32-bit cache offsets, against 64-bit ones: 325 vs 351 instructions
+    with the device's Triton 3.6, 345 vs 371 with 3.9; the same products and stores."""
 
     def whole_step(tiles):
         return collections.Counter(
             loop_opcodes(_compile_attention(tiles, wide=True, decode=True), "tnspB", branches_taken=True)
         )
 
-    default, lean = whole_step(DEFAULT), whole_step(VARIANTS["lean"])
-    assert default["CS2R"] > 0 and lean["CS2R"] == 0
-    assert lean["HGMMA"] == default["HGMMA"] == 8 and lean["STS"] == default["STS"] == 8
-    assert sum(lean.values()) <= sum(default.values()) - 40
+    narrow, wide = whole_step(DEFAULT), whole_step(VARIANTS["int64_offsets"])
+    assert narrow["HGMMA"] == wide["HGMMA"] == 8 and narrow["STS"] == wide["STS"] == 8
+    assert sum(narrow.values()) <= sum(wide.values()) - 20
 
 
 def test_compile_for_names_unknown_arguments():

@@ -59,11 +59,8 @@ class TileShape:
     older keys before it waits for the kernel that wrote its queries;
     ``narrow_prefetch`` runs the narrow tiles' loads ahead by hand, as the
     wide tiles' are unless ``wide_stages`` (> 0) gives them Triton's
-    pipelining with that many stages; ``unmasked_prefetch`` drops those
-    loads' masks where they are not needed; ``int32_offsets`` computes
-    cache offsets in 32 bits where the cache allows. The last two are
-    instruction diets built without a GPU (``scripts/kernel_registers.py
-    --loop``), off until ``benchmarks/fca_sweep.py`` times them.
+    pipelining with that many stages; ``int32_offsets`` computes cache
+    offsets in 32 bits where the cache allows (else in 64).
     """
 
     group: int
@@ -83,9 +80,9 @@ class TileShape:
     # Off: no gain measured on an H100 (``benchmarks/fca_sweep.py`` runs each against the default).
     narrow_prefetch: bool = False
     wide_stages: int = 0
-    # A whole 64-key wide step as the device's Triton 3.6 builds it for Hopper: 351 instructions; 302 with both.
-    unmasked_prefetch: bool = False
-    int32_offsets: bool = False
+    # On an H100 (13th session, same call): our plain paged kernel 2-3% faster (60.1 -> 58.3 us at 4x16), FCA the
+    # same or 0.1-0.3 us faster. A whole wide step: 351 -> 325 instructions (Triton 3.6), the narrow one 255 -> 223.
+    int32_offsets: bool = True
 
     def __post_init__(self):
         if self.group < 1 or self.group > self.narrow_rows:

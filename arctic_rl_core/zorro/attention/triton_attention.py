@@ -177,7 +177,7 @@ def _attend_item(
     NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, PREFETCH: tl.constexpr,
     LOOP_STAGES: tl.constexpr, first, WAIT: tl.constexpr, DECODE: tl.constexpr, MAY_OVERRUN: tl.constexpr,
-    INT32_OFFSETS: tl.constexpr, UNMASKED_PREFETCH: tl.constexpr,
+    INT32_OFFSETS: tl.constexpr,
 ):  # fmt: skip
     """One work unit: a tile of queries (``BLOCK_M // GROUP`` of them, all heads of one KV head) over a KV range.
 
@@ -196,13 +196,6 @@ def _attend_item(
     and, in ``DECODE``, the keys and values before the earliest query (that
     kernel wrote only the queries and their own keys and values). So the
     chain of dependent loads that starts the unit overlaps its tail.
-
-    ``UNMASKED_PREFETCH`` drops the masks of the loads run ahead by hand
-    where they are not needed. A step's keys past the range are read as they
-    are: their addresses are in the cache (blocks wholly past the range read
-    block 0) and the masked step gives their scores no weight. Its values are
-    read unmasked only when the whole step is in the range: a weight of 0
-    times a NaN left in a free slot would still poison the sum.
     """
     rows = tl.arange(0, BLOCK_M)
     dims = tl.arange(0, HEAD_DIM)
@@ -278,20 +271,12 @@ def _attend_item(
             scores = tl.dot(q, tl.trans(k_step), input_precision=PRECISION)
             offsets, valid = _kv_offsets(blocks, kv0 + BLOCK_N, kv_end, kv_head, word_kb, word_ks, word_kh, WORDS,
                                          BLOCK_SIZE, BLOCK_N, INT32_OFFSETS)  # fmt: skip
-            if UNMASKED_PREFETCH:
-                k = tl.load(K_WORDS + offsets)
-            else:
-                k = tl.load(K_WORDS + offsets, mask=valid, other=0)
+            # Masked every step, though only the last needs it: unmasked (302 instructions per step instead of
+            # 325), the wide tiles were 0.5-1 us slower at 4x16 on an H100 (13th session, same call).
+            k = tl.load(K_WORDS + offsets, mask=valid, other=0)
             acc, l_i, m_i = _softmax_step(scores, v_step, acc, l_i, m_i, kv0, kv_end, position, scale_log2, BLOCK_N,
                                           PRECISION, masked=kv0 >= full_end)  # fmt: skip
-            if UNMASKED_PREFETCH:
-                next_whole = kv0 + 2 * BLOCK_N <= kv_end
-            else:
-                next_whole = False
-            if next_whole:
-                v = tl.load(V_WORDS + offsets)
-            else:
-                v = tl.load(V_WORDS + offsets, mask=valid, other=0)
+            v = tl.load(V_WORDS + offsets, mask=valid, other=0)
             blocks = _block_ids(table, kv0 + 2 * BLOCK_N, kv_end, BLOCK_SIZE, BLOCK_N)
     else:
         for kv0 in tl.range(kv_start, kv_end, BLOCK_N, num_stages=LOOP_STAGES):
@@ -323,7 +308,7 @@ def _attend_items(
     BLOCK_SIZE: tl.constexpr, WIDE_M: tl.constexpr, NARROW_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_WIDE: tl.constexpr, PRECISION: tl.constexpr, USE_PDL: tl.constexpr, EARLY: tl.constexpr,
     DECODE: tl.constexpr, NARROW_PREFETCH: tl.constexpr, NARROW_STAGES: tl.constexpr, WIDE_STAGES: tl.constexpr,
-    INT32_OFFSETS: tl.constexpr, UNMASKED_PREFETCH: tl.constexpr,
+    INT32_OFFSETS: tl.constexpr,
 ):  # fmt: skip
     """Persistent over (item, KV head) work units: the wide items first (the longest), then the narrow ones.
 
@@ -352,7 +337,6 @@ def _attend_items(
                     NUM_HEADS, GROUP, HEAD_DIM, BLOCK_SIZE, WIDE_M, BLOCK_N, PRECISION, PREFETCH=WIDE_STAGES == 0,
                     LOOP_STAGES=WIDE_STAGES,
                     first=first, WAIT=USE_PDL, DECODE=DECODE, MAY_OVERRUN=False, INT32_OFFSETS=INT32_OFFSETS,
-                    UNMASKED_PREFETCH=UNMASKED_PREFETCH,
                 )  # fmt: skip
         else:
             unit = work - num_wide
@@ -363,7 +347,6 @@ def _attend_items(
                 NUM_HEADS, GROUP, HEAD_DIM, BLOCK_SIZE, NARROW_M, BLOCK_N, PRECISION, PREFETCH=NARROW_PREFETCH,
                 LOOP_STAGES=NARROW_STAGES,
                 first=first, WAIT=USE_PDL, DECODE=DECODE, MAY_OVERRUN=True, INT32_OFFSETS=INT32_OFFSETS,
-                UNMASKED_PREFETCH=UNMASKED_PREFETCH,
             )  # fmt: skip
     if USE_PDL:
         if EARLY:
@@ -528,7 +511,7 @@ def kernel_options(
         HAS_WIDE=wide, PRECISION="ieee" if dtype == torch.float32 else "tf32", USE_PDL=use_pdl,
         EARLY=tiles.early_loads, DECODE=decode, NARROW_PREFETCH=tiles.narrow_prefetch, NARROW_STAGES=tiles.stages,
         WIDE_STAGES=tiles.wide_stages, INT32_OFFSETS=tiles.int32_offsets and cache_fits_int32,
-        UNMASKED_PREFETCH=tiles.unmasked_prefetch, num_warps=tiles.wide_warps if wide else 4, num_stages=tiles.stages,
+        num_warps=tiles.wide_warps if wide else 4, num_stages=tiles.stages,
     )  # fmt: skip
     if wide and tiles.wide_maxnreg:
         options["maxnreg"] = tiles.wide_maxnreg
