@@ -29,7 +29,7 @@ def variants(quick: bool) -> list[tuple[TileShape, float]]:
         (default, 1.0),
         # 64-bit cache offsets (the default before the 13th session): on an H100 the plain paged kernel 2-3% slower,
         # FCA the same or 0.1-0.3 us slower. (Unmasked loads ahead, 302 instead of 325 instructions per wide step,
-        # were 0.5-1 us slower at 4x16 in every form tried, that session.)
+        # were 0.6-1.1 us slower at 4x16 in every form tried, that session.)
         (dataclasses.replace(default, int32_offsets=False), 1.0),
         (default, 1.0),  # again, for the noise between two identical rows
         # Capped registers: 3 programs per SM at 168 (no spills), 4 at 128. On an H100 the cap took the attention

@@ -271,8 +271,8 @@ def _attend_item(
             scores = tl.dot(q, tl.trans(k_step), input_precision=PRECISION)
             offsets, valid = _kv_offsets(blocks, kv0 + BLOCK_N, kv_end, kv_head, word_kb, word_ks, word_kh, WORDS,
                                          BLOCK_SIZE, BLOCK_N, INT32_OFFSETS)  # fmt: skip
-            # Masked every step, though only the last needs it: unmasked (302 instructions per step instead of
-            # 325), the wide tiles were 0.5-1 us slower at 4x16 on an H100 (13th session, same call).
+            # Masked every step, though only the last needs it: unmasked (302 instructions per step instead of 325),
+            # the wide tiles were 0.6-1.1 us slower at 4x16 on an H100 in every form tried (13th session, same call).
             k = tl.load(K_WORDS + offsets, mask=valid, other=0)
             acc, l_i, m_i = _softmax_step(scores, v_step, acc, l_i, m_i, kv0, kv_end, position, scale_log2, BLOCK_N,
                                           PRECISION, masked=kv0 >= full_end)  # fmt: skip
