@@ -94,9 +94,10 @@ def loop_opcodes(compiled, marker: str, target: GPUTarget = HOPPER, branches_tak
     lines = listing.splitlines()
     # Instruction lines carry their address as /*0a30*/; labels stand alone as .L_x_N:
     instruction = re.compile(r"/\*[0-9a-f]{4,}\*/\s+(.*?)\s*;")
+    branch_to = re.compile(r"BRA `?\((\.L_x_\d+)\)")  # a branch and the label it jumps to
     marked = max(i for i, line in enumerate(lines) if instruction.search(line) and marker in line)
     for i in range(marked, len(lines)):
-        branch = re.search(r"BRA `?\((\.L_x_\d+)\)", lines[i])
+        branch = branch_to.search(lines[i])
         if branch and f"{branch.group(1)}:" in lines[:marked]:
             start = lines.index(f"{branch.group(1)}:")
             break
@@ -106,7 +107,7 @@ def loop_opcodes(compiled, marker: str, target: GPUTarget = HOPPER, branches_tak
     skipped = set()
     if branches_taken:
         for j, line in enumerate(loop):
-            branch = re.search(r"BRA `?\((\.L_x_\d+)\)", line)
+            branch = branch_to.search(line)
             if branch and f"{branch.group(1)}:" in loop[j:]:
                 skipped.update(range(j + 1, loop.index(f"{branch.group(1)}:", j)))
     opcodes = []

@@ -82,9 +82,9 @@ def test_32_bit_offsets_take_fewer_instructions_per_step():
             loop_opcodes(_compile_attention(tiles, wide=True, decode=True), "tnspB", branches_taken=True)
         )
 
-    narrow, wide = whole_step(DEFAULT), whole_step(VARIANTS["int64_offsets"])
-    assert narrow["HGMMA"] == wide["HGMMA"] == 8 and narrow["STS"] == wide["STS"] == 8
-    assert sum(narrow.values()) <= sum(wide.values()) - 20
+    int32, int64 = whole_step(DEFAULT), whole_step(VARIANTS["int64_offsets"])
+    assert int32["HGMMA"] == int64["HGMMA"] == 8 and int32["STS"] == int64["STS"] == 8
+    assert sum(int32.values()) <= sum(int64.values()) - 20
 
 
 def test_compile_for_names_unknown_arguments():
