@@ -78,6 +78,26 @@ def test_decode_kernel_equals_reference(dtype, use_forest, tiles):
     torch.testing.assert_close(out.float(), expected, atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("tiles", TILES[:2], ids=_tiles_id)
+def test_decode_plan_balanced_over_the_kernels_lanes_equals_reference(tiles):
+    """The engine's plans once the kernel is built: shared prefixes cut to even out its programs' work."""
+    from arctic_rl_core.zorro.attention import triton_attention as kernel
+
+    tables, lengths = _forest_batch(prefix_blocks=512, groups=4, per_group=16, suffix_tokens=(256,))
+    forest = build_forest(tables, lengths, BS)
+    caches = _cache(torch.bfloat16)
+    q = torch.randn(len(tables), HKV * GROUP, D, device="cuda").to(torch.bfloat16)
+    positions = torch.tensor([n - 1 for n in lengths], dtype=torch.int32, device="cuda")
+    _run(q, caches, tables, lengths, plan_decode(forest, lengths, tiles, target_items=264), positions, tiles)
+    lanes = kernel.plan_lanes(HKV * GROUP, *caches, tiles, torch.bfloat16)
+    assert lanes is not None and lanes >= torch.cuda.get_device_properties(0).multi_processor_count // HKV
+    plan = plan_decode(forest, lengths, tiles, target_items=264, lanes=lanes)
+    assert len(set((plan.wide_items[:, 4] - plan.wide_items[:, 3]).tolist())) > 1  # pieces of several lengths
+    out, block_tables = _run(q, caches, tables, lengths, plan, positions, tiles)
+    expected = paged_decode_attention(q.float(), caches[0].float(), caches[1].float(), block_tables, lengths, D**-0.5)
+    torch.testing.assert_close(out.float(), expected, atol=2e-2, rtol=2e-2)
+
+
 @pytest.mark.parametrize("tiles", TILES, ids=_tiles_id)
 def test_stale_cache_slots_never_reach_the_output(tiles):
     """Every slot that holds no live position (block 0 and the free blocks too) is NaN: no output may see one."""

@@ -94,6 +94,29 @@ def test_fca_on_and_off_agree_within_bfloat16_noise(models):
     _agree_within_bfloat16_noise(on, off)
 
 
+def test_fca_with_plans_balanced_over_the_kernels_lanes_agrees_with_fca_off(models, monkeypatch):
+    """The engine cuts shared prefixes to even out the kernel's programs (here as on a device with 4 per KV head)."""
+    prompts = [list(range(30, 930))]  # 56 shared blocks of 16
+    params = SamplingParams(n=16, max_tokens=12, temperature=1.0, seed=1, ignore_eos=True)
+    engine = _engine(models["llama"], use_fca=True, max_model_len=1024)
+    assert engine.runner._plan_lanes() is not None  # the graphs' capture built the kernel
+    engine.runner._lanes = 4
+    balanced = []
+    plan_decode = model_runner.plan_decode
+
+    def recording(forest, lengths, tiles, target_items, max_items, max_rows, lanes):
+        plan = plan_decode(forest, lengths, tiles, target_items, max_items, max_rows, lanes)
+        even = plan_decode(forest, lengths, tiles, target_items, max_items, max_rows)
+        balanced.append(plan.wide_items.shape != even.wide_items.shape or (plan.wide_items != even.wide_items).any())
+        return plan
+
+    monkeypatch.setattr(model_runner, "plan_decode", recording)
+    on = engine.generate(prompts, params)
+    assert any(balanced)
+    off = _engine(models["llama"], use_fca=False, max_model_len=1024).generate(prompts, params)
+    _close([[c] for c in on[0]], [[c] for c in off[0]], 1e-4)
+
+
 def _agree_within_bfloat16_noise(a_outputs, b_outputs):
     """Rounding may flip a near-tie and the texts then part: log-probs agree while the tokens do, for most."""
     compared = 0

@@ -124,3 +124,49 @@ def test_every_item_starts_at_a_block_so_the_kernel_finds_a_steps_blocks_without
     for plan in (decode, prefill):
         items = np.concatenate([plan.wide_items, plan.narrow_items])
         assert (items[:, KV_START] % min(BS, KV_ALIGN) == 0).all()
+
+
+def _groups(groups: int, members: int, prefix: int, suffix: int) -> tuple[list[list[int]], list[int]]:
+    """Block tables and lengths of ``groups`` prefixes of ``prefix`` positions, each shared by ``members``."""
+    tables, lengths, blocks = [], [], 0
+    for _ in range(groups):
+        shared = list(range(blocks, blocks + prefix // BS))
+        blocks += len(shared)
+        for _ in range(members):
+            tables.append(shared + list(range(blocks, blocks + -(-suffix // BS))))
+            blocks += -(-suffix // BS)
+            lengths.append(prefix + suffix)
+    return tables, lengths
+
+
+def _longest_lane(plan, lengths, lanes):
+    """Steps (plus one per item) of the busiest lane, as the kernel runs items: lane ``i % lanes`` takes item i."""
+    items = np.concatenate([plan.wide_items, plan.narrow_items])
+    ends = np.where(items[:, QUERY_COUNT] == 1, np.minimum(items[:, KV_END], np.asarray(lengths)[items[:, TABLE_ROW]]),
+                    items[:, KV_END])  # fmt: skip
+    steps = -(-(ends - items[:, KV_START]) // KV_ALIGN) + 1
+    return np.bincount(np.arange(len(items)) % lanes, weights=steps, minlength=lanes).max()
+
+
+def test_lanes_cut_shared_prefixes_so_that_no_program_runs_much_longer_than_the_rest():
+    # 4 groups of 16 (two wide tiles each): uniform chunks leave some lanes two wide items.
+    tables, lengths = _groups(4, 16, 1024, 64)
+    forest = build_forest(tables, lengths, BS)
+    uniform = plan_decode(forest, lengths, TileShape(7), target_items=40)
+    balanced = plan_decode(forest, lengths, TileShape(7), target_items=40, lanes=20)
+    assert _longest_lane(balanced, lengths, 20) < 0.7 * _longest_lane(uniform, lengths, 20)
+    assert len(np.unique(balanced.wide_items[:, KV_END] - balanced.wide_items[:, KV_START])) > 1
+    for q, reads in enumerate(_coverage(balanced, lengths, tables)):
+        assert reads == [(tables[q][pos // BS], pos) for pos in range(lengths[q])]
+    assert (np.concatenate([balanced.wide_items, balanced.narrow_items])[:, KV_START] % BS == 0).all()
+
+
+def test_lanes_leave_a_plan_as_it_is_where_they_would_not_shorten_its_longest_lane():
+    # One wave of uniform chunks already: every lane has at most one item.
+    tables, lengths = _groups(1, 3, 256, 10)
+    forest = build_forest(tables, lengths, BS)
+    uniform = plan_decode(forest, lengths, TileShape(7), target_items=6)
+    balanced = plan_decode(forest, lengths, TileShape(7), target_items=6, lanes=3)
+    for a, b in zip((uniform.wide_items, uniform.narrow_items, uniform.merge_rows),
+                    (balanced.wide_items, balanced.narrow_items, balanced.merge_rows)):  # fmt: skip
+        np.testing.assert_array_equal(a, b)

@@ -27,8 +27,9 @@ def _kernel():
 
 def _setup(tables, group, seed=0):
     g = torch.Generator().manual_seed(seed)
-    k_cache = torch.randn(48, BS, HKV, D, generator=g)
-    v_cache = torch.randn(48, BS, HKV, D, generator=g)
+    blocks = max(48, 1 + max(max(t) for t in tables))
+    k_cache = torch.randn(blocks, BS, HKV, D, generator=g)
+    v_cache = torch.randn(blocks, BS, HKV, D, generator=g)
     width = max(map(len, tables))
     block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
     return k_cache, v_cache, block_tables, g
@@ -82,6 +83,27 @@ def check_cascade_decode_in_16_bit_equals_plain_attention(dtype, **tile_options)
     expected = paged_decode_attention(q.float(), k_cache.float(), v_cache.float(), block_tables, lengths, SCALE)
     # The kernel rounds the softmax weights to the dtype before the weighted sum (as flash attention does).
     torch.testing.assert_close(out.float(), expected, atol=4e-3, rtol=4e-3)
+
+
+def check_decode_plan_balanced_over_lanes_equals_plain_attention():
+    """Shared prefixes cut into pieces of unequal lengths (``plan_decode``'s ``lanes``), merged exactly."""
+    kernel = _kernel()
+    tables, lengths, blocks = [], [], 0
+    for _ in range(2):  # two prefixes of 768 positions, three members each with 70 of their own
+        shared = list(range(blocks, blocks + 192))
+        for i in range(3):
+            tables.append(shared + list(range(blocks + 192 + 18 * i, blocks + 210 + 18 * i)))
+            lengths.append(838)
+        blocks += 192 + 54
+    tiles = TileShape(3, wide_rows=32, narrow_rows=4)
+    plan = plan_decode(build_forest(tables, lengths, BS), lengths, tiles, target_items=8, lanes=4)
+    assert sorted((plan.wide_items[:, 4] - plan.wide_items[:, 3]).tolist()) == [192, 384, 384, 576]
+    k_cache, v_cache, block_tables, g = _setup(tables, 3)
+    q = torch.randn(len(tables), HKV * 3, D, generator=g)
+    positions = torch.tensor([n - 1 for n in lengths], dtype=torch.int32)
+    out = _run(kernel, plan, q, k_cache, v_cache, block_tables, positions, tiles)
+    expected = paged_decode_attention(q, k_cache, v_cache, block_tables, lengths, SCALE)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
 
 
 def check_plain_decode_kernel_with_split_contexts_equals_reference():
@@ -213,6 +235,7 @@ CHECKS = {
     # fp16 only: the interpreter computes bf16 wrongly (the old kernel too); the GPU tests run bf16.
     "cascade_decode[fp16]": (check_cascade_decode_in_16_bit_equals_plain_attention, (torch.float16,)),
     "plain_decode_split": (check_plain_decode_kernel_with_split_contexts_equals_reference, ()),
+    "decode_balanced_lanes": (check_decode_plan_balanced_over_lanes_equals_plain_attention, ()),
     **{
         f"decode_plan_reused[target={t}]": (check_a_decode_plan_serves_later_steps_up_to_its_capacity, (t,))
         for t in (1, 64)

@@ -16,6 +16,12 @@ dividing each position.
 Two tile widths exist because a decode request alone fills only ``group``
 rows (query heads per KV head) of a matrix tile, while a group of requests
 sharing a prefix, or a prefill tile, fills a wide one.
+
+The kernel's programs take items in turn, so a decode plan given its
+``lanes`` (programs per KV head) cuts the shared prefixes into pieces of
+unequal length that give every lane about the same work
+(``_balanced_pieces``), instead of even chunks that leave some lanes a
+second item while others idle.
 """
 
 from __future__ import annotations
@@ -155,22 +161,32 @@ def _split_members(members: Sequence[int], tiles: TileShape) -> list[Sequence[in
     return [members[i : i + width] for i in range(0, len(members), width)]
 
 
-def _emit(
-    t: _Tiles, chunk: np.ndarray, num_queries: int, tiles: TileShape, room: np.ndarray | None = None
-) -> AttentionPlan:
-    """Items of every tile times every ``chunk``-long slice of its KV range, longest first (vectorized).
+def _pieces(t: _Tiles, chunk: np.ndarray, room: np.ndarray | None = None) -> tuple[np.ndarray, ...]:
+    """Every tile cut into ``chunk``-long pieces: (tile, kv start, kv end, positions read now) per piece.
 
-    ``room``: per tile, where its last item ends (at or past ``t.end``; the kernel stops at the queries).
+    ``room``: per tile, where its last piece ends (at or past ``t.end``; the kernel stops at the queries).
     """
     n_chunks = -(-(t.end - t.start) // chunk)
     tile_of = np.repeat(np.arange(len(n_chunks)), n_chunks)
     k = np.arange(len(tile_of)) - np.repeat(np.cumsum(n_chunks) - n_chunks, n_chunks)
     kv0 = t.start[tile_of] + k * chunk[tile_of]
     kv1 = np.minimum(kv0 + chunk[tile_of], (t.end if room is None else room)[tile_of])
-    work = np.minimum(kv0 + chunk[tile_of], t.end[tile_of]) - kv0  # what the kernel reads now
+    work = np.minimum(kv0 + chunk[tile_of], t.end[tile_of]) - kv0
+    return tile_of, kv0, kv1, work
 
+
+def _longest_first(pieces: tuple[np.ndarray, ...]) -> np.ndarray:
+    return np.argsort(-pieces[3], kind="stable")
+
+
+def _emit(
+    t: _Tiles, pieces: tuple[np.ndarray, ...], order: np.ndarray, num_queries: int, tiles: TileShape
+) -> AttentionPlan:
+    """The plan of ``pieces`` (``_pieces``), run in ``order``: wide items, then narrow ones (vectorized)."""
+    tile_of, kv0, kv1, _ = (a[order] for a in pieces)
+    n_pieces = np.bincount(tile_of, minlength=len(t.count))
     # A query served by exactly one item is written directly; otherwise each of its items leaves a partial.
-    per_query = np.bincount(t.queries, weights=np.repeat(n_chunks, t.count), minlength=num_queries)
+    per_query = np.bincount(t.queries, weights=np.repeat(n_pieces, t.count), minlength=num_queries)
     direct_tile = np.maximum.reduceat(per_query[t.queries], t.offset) == 1 if len(t.offset) else np.zeros(0, dtype=bool)
     direct = direct_tile[tile_of]
     rows = np.where(direct, 0, t.count[tile_of])
@@ -181,7 +197,7 @@ def _emit(
     owner = np.repeat(partial, widths)
     j = np.arange(len(owner)) - np.repeat(np.cumsum(widths) - widths, widths)
     entry_query = t.queries[t.offset[tile_of[owner]] + j]
-    order = np.argsort(entry_query, kind="stable")
+    merge_order = np.argsort(entry_query, kind="stable")
     merge_offsets = np.zeros(num_queries + 1, dtype=np.int32)
     merge_offsets[1:] = np.cumsum(np.bincount(entry_query, minlength=num_queries))
 
@@ -189,15 +205,100 @@ def _emit(
         [t.offset[tile_of], t.count[tile_of], t.table_row[tile_of], kv0, kv1, np.where(direct, DIRECT, row_base)],
         axis=1,
     ).astype(np.int32)
-    items = items[np.argsort(-work, kind="stable")]  # longest first balances the persistent kernel's programs
     wide = items[:, QUERY_COUNT] > tiles.narrow_queries
     return AttentionPlan(
         wide_items=items[wide],
         narrow_items=items[~wide],
         query_index=t.queries.astype(np.int32),
         merge_offsets=merge_offsets,
-        merge_rows=(row_base[owner] + j)[order].astype(np.int32),
+        merge_rows=(row_base[owner] + j)[merge_order].astype(np.int32),
     )
+
+
+# An item's fixed cost (reading its plan, queries and first keys; storing its partials) as the lane balancing
+# (``_balanced_pieces``) counts it, in steps of KV_ALIGN positions.
+ITEM_COST = 1
+
+
+def _kernel_order(order: np.ndarray, wide: np.ndarray) -> np.ndarray:
+    """``order`` as the kernel runs it: the wide items, then the narrow ones, each in ``order``."""
+    return np.concatenate([order[wide[order]], order[~wide[order]]])
+
+
+def _makespan(steps: np.ndarray, lanes: int) -> float:
+    """The longest lane's cost when item ``s`` (of ``steps`` steps, in run order) runs on lane ``s % lanes``."""
+    return float(np.bincount(np.arange(len(steps)) % lanes, weights=steps + ITEM_COST, minlength=lanes).max())
+
+
+def _balanced_pieces(
+    t: _Tiles, pieces: tuple[np.ndarray, ...], wide_tile: np.ndarray, least: np.ndarray, lanes: int
+) -> tuple[tuple[np.ndarray, ...], np.ndarray] | None:
+    """Wide tiles cut to even out the lanes: each lane's wide piece is as long as the narrow pieces after it allow.
+
+    The kernel's ``P`` programs run its work units (item, KV head) in turn:
+    program ``p`` takes units ``p, p + P, ...``, the wide items' first. So with
+    ``lanes = P / kv_heads``, item ``i`` (wide ones first) runs on lane
+    ``i % lanes``. Even chunks give some lanes two wide items and others one
+    (or one and a short narrow one), and the kernel lasts as long as its
+    longest lane. Here the narrow pieces keep their chunks, and the wide tiles
+    are cut in lane order, one piece per lane, each as long as a common bound
+    (the least that covers every tile, by bisection) minus the narrow work
+    that lane runs after it. ``least``: per tile, the shortest piece, in
+    steps. None where there is no wide tile or more than there are lanes.
+    """
+    tile_of, kv0, kv1, work = pieces
+    narrow = np.flatnonzero(~wide_tile[tile_of])
+    narrow = narrow[np.argsort(-work[narrow], kind="stable")]
+    narrow_steps = -(-work[narrow] // KV_ALIGN)
+    wide = np.flatnonzero(wide_tile)
+    length = -(-(t.end[wide] - t.start[wide]) // KV_ALIGN)
+    least = np.minimum(least[wide], length)
+    if len(wide) == 0 or len(wide) > lanes:
+        return None
+
+    length, least, wide_list = length.tolist(), least.tolist(), wide.tolist()
+
+    def fill(bound: int, narrow_load: list[float]) -> list[tuple[int, int, int]] | None:
+        out, i, done = [], 0, 0
+        for lane in range(lanes):
+            take = int(min(max(bound - ITEM_COST - narrow_load[lane], least[i]), length[i] - done))
+            out.append((wide_list[i], done, take))
+            done += take
+            if done == length[i]:
+                i, done = i + 1, 0
+                if i == len(wide_list):
+                    return out
+        return None
+
+    best = None
+    count = lanes  # wide pieces, which decides where the narrow ones run
+    for _ in range(3):
+        narrow_load = np.bincount((count + np.arange(len(narrow))) % lanes, weights=narrow_steps + ITEM_COST,
+                                  minlength=lanes).tolist()  # fmt: skip
+        lo, hi = 1, int(ITEM_COST + max(narrow_load) + max(length))
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if fill(mid, narrow_load) is None:
+                lo = mid + 1
+            else:
+                hi = mid
+        cut = np.array(fill(lo, narrow_load), dtype=np.int64).reshape(-1, 3)
+        starts = t.start[cut[:, 0]] + cut[:, 1] * KV_ALIGN
+        ends = np.minimum(starts + cut[:, 2] * KV_ALIGN, t.end[cut[:, 0]])
+        steps = np.concatenate([cut[:, 2], narrow_steps])
+        cost = _makespan(steps, lanes)
+        if best is None or cost < best[0]:
+            layout = (
+                np.concatenate([cut[:, 0], tile_of[narrow]]),
+                np.concatenate([starts, kv0[narrow]]),
+                np.concatenate([ends, kv1[narrow]]),
+                np.concatenate([ends - starts, work[narrow]]),
+            )
+            best = (cost, layout)
+        if len(cut) == count:
+            break
+        count = len(cut)
+    return best[1], np.arange(len(best[1][0]))
 
 
 def plan_decode(
@@ -207,6 +308,7 @@ def plan_decode(
     target_items: int,
     max_items: int | None = None,
     max_partial_rows: int | None = None,
+    lanes: int | None = None,
 ) -> AttentionPlan:
     """One query per request (its block-table row is its index): the forest's prefixes, then each suffix.
 
@@ -214,7 +316,9 @@ def plan_decode(
     (about enough to fill the device); chunks grow until the plan fits the
     capacities of a captured graph's buffers. Each suffix's last chunk is
     planned at its full length, so the plan serves the following decode steps
-    too, up to ``capacity``.
+    too, up to ``capacity``. Given the kernel's ``lanes`` (its programs per KV
+    head), the shared prefixes are cut to even out the programs' work instead
+    (``_balanced_pieces``) wherever that shortens the longest lane.
     """
     groups = [
         (members, p.source, p.start, p.end) for p in forest.prefixes for members in _split_members(p.members, tiles)
@@ -229,6 +333,7 @@ def plan_decode(
     # A multi-query tile writes rows * head_dim partials per chunk: keep its chunks long enough to amortise that.
     group_floor = -(-tiles.chunk_per_row * t.count * tiles.group // KV_ALIGN) * KV_ALIGN
     longest = int((t.end - t.start).max(initial=0))
+    wide_tile = t.count > tiles.narrow_queries
 
     def chunks(floor: int) -> np.ndarray:
         return np.where(t.count == 1, floor, np.maximum(floor, group_floor))
@@ -248,7 +353,14 @@ def plan_decode(
         chunk = chunks(floor)
         # Each suffix's last chunk runs to its full length: room for the tokens later steps add.
         room = np.where(suffix, t.start + _round_up(t.end - t.start, chunk), t.end)
-        plan = _emit(t, chunk, len(lengths), tiles, room)
+        pieces = _pieces(t, chunk, room)
+        order = _kernel_order(_longest_first(pieces), wide_tile[pieces[0]])
+        if lanes:
+            balanced = _balanced_pieces(t, pieces, wide_tile, group_floor // KV_ALIGN, lanes)
+            uniform = _makespan(-(-pieces[3][order] // KV_ALIGN), lanes)
+            if balanced is not None and _makespan(-(-balanced[0][3] // KV_ALIGN), lanes) < uniform:
+                pieces, order = balanced
+        plan = _emit(t, pieces, order, len(lengths), tiles)
         fits = (max_items is None or plan.num_items <= max_items) and (
             max_partial_rows is None or plan.num_partial_rows <= max_partial_rows
         )
@@ -278,4 +390,5 @@ def plan_prefill(query_lens: Sequence[int], context_lens: Sequence[int], tiles: 
             groups.append((members, r, 0, length - (offset + n_new - members[-1] - 1)))
         offset += n_new
     t = _Tiles.build(groups, tuple(np.zeros(0, dtype=np.int64) for _ in range(4)))
-    return _emit(t, np.maximum(t.end, 1), offset, tiles)
+    pieces = _pieces(t, np.maximum(t.end, 1))
+    return _emit(t, pieces, _longest_first(pieces), offset, tiles)

@@ -545,6 +545,31 @@ def compile_attention(
     return triton_aot.compile_for(_attend_items, types, options, aligned, target, **launch)
 
 
+def _launch_options(
+    num_heads: int, k_cache: torch.Tensor, v_cache: torch.Tensor, tiles: TileShape, dtype: torch.dtype, wide: bool,
+    decode: bool,
+) -> dict:  # fmt: skip
+    """``kernel_options`` for a launch of ``paged_attention`` over these caches."""
+    fits = tiles.int32_offsets and fits_int32_offsets(k_cache) and fits_int32_offsets(v_cache)
+    use_pdl = tiles.pdl and supports_pdl(k_cache.device)
+    _, block_size, num_kv_heads, head_dim = k_cache.shape
+    return kernel_options(tiles, num_heads, num_kv_heads, head_dim, block_size, dtype, wide, decode, use_pdl, fits)
+
+
+def plan_lanes(
+    num_heads: int, k_cache: torch.Tensor, v_cache: torch.Tensor, tiles: TileShape, dtype: torch.dtype,
+    wide: bool = True, decode: bool = True,
+) -> int | None:  # fmt: skip
+    """``plan_decode``'s ``lanes`` for launches over these caches: the kernel's programs per KV head.
+
+    None until ``paged_attention`` has built that kernel on the caches' device
+    (the count comes from its compiled registers).
+    """
+    options = _launch_options(num_heads, k_cache, v_cache, tiles, dtype, wide, decode)
+    build = BUILDS.get((k_cache.device, tuple(sorted(options.items()))))
+    return None if build is None else max(build.programs // k_cache.shape[2], 1)
+
+
 def paged_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -569,7 +594,6 @@ def paged_attention(
     before wrote), so older keys may be read before waiting for that kernel.
     """
     num_tokens, num_heads, head_dim = q.shape
-    num_kv_heads = k_cache.shape[2]
     if not scale > 0:
         raise ValueError(f"paged_attention's scale must be positive (the kernel keeps its maxima scaled), got {scale}")
     if out is None:
@@ -585,14 +609,12 @@ def paged_attention(
         raise ValueError("paged_attention reads 16-bit caches as 32-bit words: it needs an even head dimension, "
                          "even strides and caches that start on a 4-byte boundary")  # fmt: skip
     use_pdl = tiles.pdl and supports_pdl(q.device)
+    options = _launch_options(num_heads, k_cache, v_cache, tiles, q.dtype, wide, decode)
     args = (
         q, k_cache, v_cache, out, workspace.partial_out, workspace.partial_lse, block_tables, plan.wide_items,
         plan.narrow_items, plan.counts, plan.query_index, query_positions, scale * LOG2E,
         q.stride(0), q.stride(1), *k_cache.stride()[:3], out.stride(0), out.stride(1), block_tables.stride(0),
     )  # fmt: skip
-    fits = tiles.int32_offsets and fits_int32_offsets(k_cache) and fits_int32_offsets(v_cache)
-    options = kernel_options(tiles, num_heads, num_kv_heads, head_dim, k_cache.shape[1], q.dtype, wide, decode, use_pdl,
-                             fits)  # fmt: skip
     programs = _resident_programs(args, options, q.device) if q.is_cuda else 4
     _attend_items[(programs,)](*args, **options, **({"launch_pdl": True} if use_pdl else {}))
     if merge:

@@ -138,6 +138,8 @@ class ModelRunner:
         self.graph_pool = None
         self.staging: DecodeStaging | None = None
         self._plan_cache: tuple[PrefixForest, tuple[int, ...], AttentionPlan] | None = None  # see _decode_plan
+        self._lanes: int | None = None  # see _plan_lanes
+        self.balance_plans = True  # False: cut shared prefixes evenly, whatever the lanes (for comparisons)
         self.reuse_decode_plans = True  # False: plan every decode step (for comparisons)
         if self.device.type == "cuda":
             sms = torch.cuda.get_device_properties(self.device).multi_processor_count
@@ -166,6 +168,7 @@ class ModelRunner:
 
     def allocate_kv_cache(self) -> None:
         spec = self.config.spec
+        self._lanes = None  # the kernel's build depends on the cache (its offsets' width)
         self.kv_cache = torch.empty(
             spec.num_layers, 2, self.num_blocks, self.block_size, spec.num_kv_heads, spec.head_dim,
             dtype=self.config.dtype, device=self.device,
@@ -332,9 +335,24 @@ class ModelRunner:
         ):
             return cached[2]
         staging = self.staging
-        plan = plan_decode(forest, lengths, self.tiles, self.target_items, staging.max_items, staging.max_rows)
+        plan = plan_decode(forest, lengths, self.tiles, self.target_items, staging.max_items, staging.max_rows,
+                           self._plan_lanes())  # fmt: skip
         self._plan_cache = (forest, ids, plan)
         return plan
+
+    def _plan_lanes(self) -> int | None:
+        """How many programs per KV head the FCA decode kernel runs at once, for plans that balance them.
+
+        Known once that kernel is built (graph capture builds it); until then plans use even chunks.
+        """
+        if not self.balance_plans:
+            return None
+        if self._lanes is None and self.kv_cache is not None:
+            from arctic_rl_core.zorro.attention.triton_attention import plan_lanes
+
+            self._lanes = plan_lanes(self.config.spec.num_heads, self.kv_cache[0, 0], self.kv_cache[0, 1], self.tiles,
+                                     self.config.dtype)  # fmt: skip
+        return self._lanes
 
     def _decode_metadata(self, n: int, wide: bool) -> AttentionMetadata:
         d = self.staging.d
