@@ -171,11 +171,12 @@ def _pieces(t: _Tiles, chunk: np.ndarray, room: np.ndarray | None = None) -> tup
     k = np.arange(len(tile_of)) - np.repeat(np.cumsum(n_chunks) - n_chunks, n_chunks)
     kv0 = t.start[tile_of] + k * chunk[tile_of]
     kv1 = np.minimum(kv0 + chunk[tile_of], (t.end if room is None else room)[tile_of])
-    work = np.minimum(kv0 + chunk[tile_of], t.end[tile_of]) - kv0
+    work = np.minimum(kv0 + chunk[tile_of], t.end[tile_of]) - kv0  # what the kernel reads now
     return tile_of, kv0, kv1, work
 
 
 def _longest_first(pieces: tuple[np.ndarray, ...]) -> np.ndarray:
+    """The order that runs the pieces reading most first: it evens out the persistent kernel's programs."""
     return np.argsort(-pieces[3], kind="stable")
 
 
