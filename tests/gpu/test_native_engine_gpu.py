@@ -99,6 +99,7 @@ def test_fca_with_plans_balanced_over_the_kernels_lanes_agrees_with_fca_off(mode
     prompts = [list(range(30, 930))]  # 56 shared blocks of 16
     params = SamplingParams(n=16, max_tokens=12, temperature=1.0, seed=1, ignore_eos=True)
     engine = _engine(models["llama"], use_fca=True, max_model_len=1024)
+    engine.runner.balance_plans = True
     assert engine.runner._plan_lanes() is not None  # the graphs' capture built the kernel
     engine.runner._lanes = 4
     balanced = []
