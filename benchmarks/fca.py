@@ -1,6 +1,6 @@
 """Forest Cascade Attention on one GPU: the fused kernel vs plain attention on the same KV, then end to end.
 
-    python benchmarks/fca.py [--skip-e2e] [--balanced-plans] [--tiles int32_offsets=0,wide_maxnreg=168]
+    python benchmarks/fca.py [--skip-e2e] [--even-chunks] [--tiles int32_offsets=0,wide_maxnreg=168]
 
 (Kernel variants side by side: ``benchmarks/fca_sweep.py``.)
 
@@ -97,7 +97,7 @@ def kernel_case(
     tables, lengths, caches, q = batch["tables"], batch["lengths"], batch["caches"], batch["q"]
     block_tables, positions = batch["block_tables"], batch["positions"]
     forest = build_forest(tables, lengths, BLOCK)
-    fca_plan = plan_decode(forest, lengths, tiles, target_items)
+    uniform_plan = plan_decode(forest, lengths, tiles, target_items)
     plain_plan = plan_decode(PrefixForest.unshared(n), lengths, tiles, target_items)
     runs = {}
 
@@ -113,13 +113,13 @@ def kernel_case(
         runs[name] = (run, out)
         return run
 
-    add("fca", fca_plan, True)(0)  # builds the kernel, over whose programs plans may be balanced
+    add("fca_uniform", uniform_plan, True)(0)  # builds the kernel, whose programs the engine's plans balance
     add("plain", plain_plan, False)
     lanes = kernel.plan_lanes(HEADS, *caches[0], tiles, torch.bfloat16)
     start = time.perf_counter()
-    balanced_plan = plan_decode(forest, lengths, tiles, target_items, lanes=lanes)
+    fca_plan = plan_decode(forest, lengths, tiles, target_items, lanes=lanes)
     plan_ms = (time.perf_counter() - start) * 1e3
-    add("fca_lanes", balanced_plan, True)
+    add("fca", fca_plan, True)
 
     times = {name: graph_us(run) for name, (run, _) in runs.items()}
     fca_out, plain_out = runs["fca"][1], runs["plain"][1]
@@ -151,9 +151,8 @@ def kernel_case(
         "plan_ms": plan_ms,
         "items": (len(fca_plan.wide_items), len(fca_plan.narrow_items)),
         "lanes": lanes,
-        "lanes_items": len(balanced_plan.wide_items),
         "diff_fca_plain": (fca_out.float() - plain_out.float()).abs().max().item(),
-        "diff_lanes_plain": (runs["fca_lanes"][1].float() - plain_out.float()).abs().max().item(),
+        "diff_even_plain": (runs["fca_uniform"][1].float() - plain_out.float()).abs().max().item(),
         "diff_fca_ref": (fca_out.float() - reference).abs().max().item(),
         "diff_sdpa_ref": sdpa_diff,
     }
@@ -170,19 +169,19 @@ def kernel_benchmark(tiles: TileShape) -> None:
         t = r["times"]
         reduction = r["plain_bytes"] / r["fca_bytes"]
         print(f"\n[{label}, shared prefix 8192, suffix 256]  ideal byte reduction {reduction:.1f}x")
-        rows = (("sdpa", r["plain_bytes"]), ("plain", r["plain_bytes"]), ("fca", r["fca_bytes"]),
-                ("fca_lanes", r["fca_bytes"]))  # fmt: skip
+        rows = (("sdpa", r["plain_bytes"]), ("plain", r["plain_bytes"]), ("fca_uniform", r["fca_bytes"]),
+                ("fca", r["fca_bytes"]))  # fmt: skip
         for name, nbytes in rows:
             what = {"sdpa": "PyTorch SDPA flash, per-request KV", "plain": "our kernel, no grouping (paged)",
-                    "fca_lanes": "FCA kernel, plan balanced over lanes",
+                    "fca_uniform": "FCA kernel, even chunks (no lanes)",
                     "fca": "FCA kernel (grouped prefix + suffix + merge)"}[name]  # fmt: skip
             print(f"  {what:46s} {t[name]:8.1f} us  {nbytes / t[name] / 1e6:6.2f} TB/s of its KV bytes")
-        print(f"  FCA speedup vs SDPA: {t['sdpa'] / t['fca']:.1f}x (target {goal:.0f}x; balanced "
-              f"over lanes {t['sdpa'] / t['fca_lanes']:.1f}x);  vs our plain paged kernel: {t['plain'] / t['fca']:.1f}x")  # fmt: skip
-        print(f"  plan: {r['items'][0]} group items + {r['items'][1]} single items (balanced over {r['lanes']} "
-              f"lanes: {r['lanes_items']} group items, built in {r['plan_ms']:.2f} ms) "
+        print(f"  FCA speedup vs SDPA: {t['sdpa'] / t['fca']:.1f}x (target {goal:.0f}x; even chunks "
+              f"{t['sdpa'] / t['fca_uniform']:.1f}x);  vs our plain paged kernel: {t['plain'] / t['fca']:.1f}x")  # fmt: skip
+        print(f"  plan: {r['items'][0]} group items + {r['items'][1]} single items over {r['lanes']} lanes, built "
+              f"in {r['plan_ms']:.2f} ms "
               f"(the engine reuses it until the batch changes or a context outgrows it)")  # fmt: skip
-        print(f"  bf16 max |FCA - plain| = {r['diff_fca_plain']:.2e} (balanced: {r['diff_lanes_plain']:.2e});  "
+        print(f"  bf16 max |FCA - plain| = {r['diff_fca_plain']:.2e} (even chunks: {r['diff_even_plain']:.2e});  "
               f"vs fp32 reference: FCA {r['diff_fca_ref']:.2e}, SDPA {r['diff_sdpa_ref']:.2e}")  # fmt: skip
 
 
@@ -200,7 +199,7 @@ def tile_shape(changes: str) -> TileShape:
 
 def e2e_benchmark(
     model_dir: Path, group: int, prompt_len: int, new_tokens: int, tiles: TileShape, replan: bool = False,
-    sync: bool = False, balanced: bool = False,
+    sync: bool = False, even_chunks: bool = False,
 ) -> None:  # fmt: skip
     from sampling import build_qwen2_05b, gpu_ms, native_engine
 
@@ -214,7 +213,7 @@ def e2e_benchmark(
         engine = native_engine(path, prompt_len + new_tokens + 16, group, use_fca=use_fca,
                                extra={"async_scheduling": not sync})  # fmt: skip
         engine.runner.reuse_decode_plans = not replan  # --replan-every-step: the engine as it was before
-        engine.runner.balance_plans = balanced  # --balanced-plans: shared prefixes cut over the kernel's lanes
+        engine.runner.balance_plans = not even_chunks  # --even-chunks: shared prefixes cut evenly, as before
         if tiles != engine.runner.tiles:  # --tiles: the graphs are captured again with the variant
             engine.runner.tiles = tiles
             engine.runner.capture_graphs()
@@ -270,7 +269,7 @@ def main() -> None:
     parser.add_argument("--skip-kernels", action="store_true")
     parser.add_argument("--replan-every-step", action="store_true", help="end to end without decode plan reuse")
     parser.add_argument("--sync-scheduling", action="store_true", help="end to end without asynchronous scheduling")
-    parser.add_argument("--balanced-plans", action="store_true", help="end to end with plans balanced over lanes")
+    parser.add_argument("--even-chunks", action="store_true", help="end to end without plans balanced over lanes")
     parser.add_argument("--model-dir", type=Path, default=Path(tempfile.gettempdir()) / "qwen2-0.5b-random")
     parser.add_argument("--tiles", default="", help="TileShape changes to time, as name=value,... (bools as 0/1)")
     args = parser.parse_args()
@@ -280,7 +279,7 @@ def main() -> None:
         kernel_benchmark(tiles)
     if not args.skip_e2e:
         e2e_benchmark(args.model_dir, group=16, prompt_len=8192, new_tokens=512, tiles=tiles,
-                      replan=args.replan_every_step, sync=args.sync_scheduling, balanced=args.balanced_plans)  # fmt: skip
+                      replan=args.replan_every_step, sync=args.sync_scheduling, even_chunks=args.even_chunks)  # fmt: skip
 
 
 if __name__ == "__main__":

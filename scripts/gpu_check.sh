@@ -5,9 +5,9 @@
 #   bash scripts/gpu_check.sh bench     # sampling.py, fca.py, fca_sweep.py --quick (~8 min)
 #   bash scripts/gpu_check.sh profile   # decode_profile.py, decode_linear.py --chain-only, fca_sweep.py
 #   bash scripts/gpu_check.sh changed   # what the last session changed (decode plans balanced over the
-#                                       # kernel's lanes, off by default): fca.py (both kernel plans in one
-#                                       # process), its end to end with --balanced-plans, FCA's and the
-#                                       # native engine's GPU tests
+#                                       # kernel's lanes): fca.py (even chunks timed in the same process),
+#                                       # its end to end with --even-chunks, FCA's and the native engine's
+#                                       # GPU tests
 #   bash scripts/gpu_check.sh ncu       # Nsight Compute's counters for the FCA kernels (4x16 and 1x16, 64- and
 #                                       # 128-row tiles): ncu-*.txt details, ncu-*-sass.csv stall samples per
 #                                       # instruction; then fca.py
@@ -54,7 +54,7 @@ case "${1:-}" in
     ;;
   changed)
     step fca 150 python3 benchmarks/fca.py
-    step fca-balanced 120 python3 benchmarks/fca.py --skip-kernels --balanced-plans
+    step fca-even-chunks 120 python3 benchmarks/fca.py --skip-kernels --even-chunks
     step changed-tests 170 python3 -m pytest -q -p no:cacheprovider -rs tests/gpu/test_fca_kernel.py \
       tests/gpu/test_native_engine_gpu.py --junitxml="$out/changed-tests.xml"
     ;;
