@@ -232,8 +232,8 @@ def _makespan(steps: np.ndarray, lanes: int) -> float:
 
 
 def _balanced_pieces(
-    t: _Tiles, pieces: tuple[np.ndarray, ...], wide_tile: np.ndarray, least: np.ndarray, lanes: int
-) -> tuple[tuple[np.ndarray, ...], np.ndarray] | None:
+    t: _Tiles, pieces: tuple[np.ndarray, ...], order: np.ndarray, wide_tile: np.ndarray, least: np.ndarray, lanes: int
+) -> tuple[float, tuple[np.ndarray, ...]] | None:
     """Wide tiles cut to even out the lanes: each lane's wide piece is as long as the narrow pieces after it allow.
 
     The kernel's ``P`` programs run its work units (item, KV head) in turn:
@@ -244,12 +244,13 @@ def _balanced_pieces(
     longest lane. Here the narrow pieces keep their chunks, and the wide tiles
     are cut in lane order, one piece per lane, each as long as a common bound
     (the least that covers every tile, by bisection) minus the narrow work
-    that lane runs after it. ``least``: per tile, the shortest piece, in
-    steps. None where there is no wide tile or more than there are lanes.
+    that lane runs after it. ``order``: the even pieces' run order (the
+    narrow ones keep theirs); ``least``: per tile, the shortest piece, in
+    steps. Returns the longest lane's cost (``_makespan``) and the pieces in
+    run order; None where there is no wide tile or more than there are lanes.
     """
     tile_of, kv0, kv1, work = pieces
-    narrow = np.flatnonzero(~wide_tile[tile_of])
-    narrow = narrow[np.argsort(-work[narrow], kind="stable")]
+    narrow = order[~wide_tile[tile_of[order]]]
     narrow_steps = -(-work[narrow] // KV_ALIGN)
     wide = np.flatnonzero(wide_tile)
     length = -(-(t.end[wide] - t.start[wide]) // KV_ALIGN)
@@ -299,7 +300,7 @@ def _balanced_pieces(
         if len(cut) == count:
             break
         count = len(cut)
-    return best[1], np.arange(len(best[1][0]))
+    return best
 
 
 def plan_decode(
@@ -357,10 +358,10 @@ def plan_decode(
         pieces = _pieces(t, chunk, room)
         order = _kernel_order(_longest_first(pieces), wide_tile[pieces[0]])
         if lanes:
-            balanced = _balanced_pieces(t, pieces, wide_tile, group_floor // KV_ALIGN, lanes)
-            uniform = _makespan(-(-pieces[3][order] // KV_ALIGN), lanes)
-            if balanced is not None and _makespan(-(-balanced[0][3] // KV_ALIGN), lanes) < uniform:
-                pieces, order = balanced
+            balanced = _balanced_pieces(t, pieces, order, wide_tile, group_floor // KV_ALIGN, lanes)
+            if balanced is not None and balanced[0] < _makespan(-(-pieces[3][order] // KV_ALIGN), lanes):
+                pieces = balanced[1]
+                order = np.arange(len(pieces[0]))  # already in run order
         plan = _emit(t, pieces, order, len(lengths), tiles)
         fits = (max_items is None or plan.num_items <= max_items) and (
             max_partial_rows is None or plan.num_partial_rows <= max_partial_rows

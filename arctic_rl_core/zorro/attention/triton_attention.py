@@ -608,8 +608,8 @@ def paged_attention(
     ):  # the wide tiles read 16-bit caches as 32-bit words (_as_words)
         raise ValueError("paged_attention reads 16-bit caches as 32-bit words: it needs an even head dimension, "
                          "even strides and caches that start on a 4-byte boundary")  # fmt: skip
-    use_pdl = tiles.pdl and supports_pdl(q.device)
     options = _launch_options(num_heads, k_cache, v_cache, tiles, q.dtype, wide, decode)
+    use_pdl = options["USE_PDL"]
     args = (
         q, k_cache, v_cache, out, workspace.partial_out, workspace.partial_lse, block_tables, plan.wide_items,
         plan.narrow_items, plan.counts, plan.query_index, query_positions, scale * LOG2E,
