@@ -25,21 +25,13 @@ def variants(quick: bool) -> list[tuple[TileShape, float]]:
     default = TileShape(GROUP)
     rows128 = dataclasses.replace(default, **ROWS_128)
     # The variants that the code last changed come first, so a call that runs out of time still has them.
-    fused = dataclasses.replace(default, fused_merge=True)
     out = [
         (default, 1.0),
-        # The merge inside the attention kernel, alone and with the wide tiles capped at 3 programs per SM (whose
-        # separate merge launch had been 3-5 us instead of ~1.5).
-        (fused, 1.0),
-        (dataclasses.replace(fused, wide_maxnreg=168), 0.75),
-        (dataclasses.replace(fused, wide_maxnreg=168), 1.0),
-        (dataclasses.replace(default, wide_maxnreg=168), 0.75),
-        (default, 1.0),  # again, for the noise between two identical rows
-        (fused, 1.0),
         # 64-bit cache offsets (the default before the 13th session): on an H100 the plain paged kernel 2-3% slower,
         # FCA the same or 0.1-0.3 us slower. (Unmasked loads ahead, 302 instead of 325 instructions per wide step,
         # were 0.6-1.1 us slower at 4x16 in every form tried, that session.)
         (dataclasses.replace(default, int32_offsets=False), 1.0),
+        (default, 1.0),  # again, for the noise between two identical rows
         # Capped registers: 3 programs per SM at 168 (no spills), 4 at 128. On an H100 the cap took the attention
         # launch alone from 22.0 to 19.2 us at 4x16 (target 0.75: one wave of 3 per SM), but the merge after it
         # took longer and 1x16 lost 2.5-3 us (12th session).
@@ -72,7 +64,7 @@ def variants(quick: bool) -> list[tuple[TileShape, float]]:
         (dataclasses.replace(default, wide_warps=8), 1.0),
         (dataclasses.replace(default, pdl=False), 1.0),
     ]
-    return out[:7] if quick else out
+    return out[:4] if quick else out
 
 
 def measure(batch: dict, tiles: TileShape, target: int) -> dict:
@@ -129,7 +121,7 @@ def main() -> None:
         print(f"rows {tiles.wide_rows:3d} w{tiles.wide_warps} bn {tiles.block_n:3d} st {tiles.stages} "
               f"cpr {tiles.chunk_per_row} reg {tiles.wide_maxnreg or 0:3d} pdl {tiles.pdl:d} "
               f"early {tiles.early_loads:d} nprf {tiles.narrow_prefetch:d} wst {tiles.wide_stages} "
-              f"i32 {tiles.int32_offsets:d} fm {tiles.fused_merge:d} tgt {target:3d} "
+              f"i32 {tiles.int32_offsets:d} tgt {target:3d} "
               f"programs {sorted({b.programs for b in kernel.BUILDS.values()})} "
               f"regs/spills {sorted({(b.registers, b.spills) for b in kernel.BUILDS.values()})} "
               f"({time.perf_counter() - start:4.1f}s) | " + " | ".join(cells), flush=True)  # fmt: skip

@@ -39,8 +39,6 @@ VARIANTS = {
     "rows128 late_loads": {**ROWS_128, "early_loads": False},
     "rows128 block_n=32": {**ROWS_128, "block_n": 32},
     "rows128 maxnreg=None": {**ROWS_128, "wide_maxnreg": None},
-    "fused_merge": dict(fused_merge=True),
-    "fused_merge maxnreg=168": dict(fused_merge=True, wide_maxnreg=168),
 }
 
 

@@ -48,23 +48,17 @@ def _run(q, caches, tables, lengths, plan, positions, tiles, decode=True):
 
 
 # The defaults (64-row tiles of up to 9 requests, early loads), 128-row tiles (a group of 16 requests in one),
-# every load after the wait, 64-bit cache offsets (what caches of 2**31 values or more take), and the merge
-# inside the attention kernel (with the wide tiles' registers capped: 3 programs per SM).
+# every load after the wait, and 64-bit cache offsets (what caches of 2**31 values or more take).
 TILES = [
     TileShape(GROUP),
     TileShape(GROUP, **ROWS_128),
     TileShape(GROUP, early_loads=False),
     TileShape(GROUP, int32_offsets=False),
-    TileShape(GROUP, fused_merge=True),
-    TileShape(GROUP, fused_merge=True, wide_maxnreg=168),
 ]
 
 
 def _tiles_id(tiles: TileShape) -> str:
-    return (
-        f"{tiles.wide_rows}rows{'-early' if tiles.early_loads else ''}{'' if tiles.int32_offsets else '-int64'}"
-        f"{'-fused' if tiles.fused_merge else ''}{f'-reg{tiles.wide_maxnreg}' if tiles.wide_maxnreg else ''}"
-    )
+    return f"{tiles.wide_rows}rows{'-early' if tiles.early_loads else ''}{'' if tiles.int32_offsets else '-int64'}"
 
 
 @pytest.mark.parametrize("tiles", TILES, ids=_tiles_id)
@@ -141,13 +135,13 @@ def test_prefill_kernel_equals_reference(tiles):
     torch.testing.assert_close(out.float(), expected, atol=2e-2, rtol=2e-2)
 
 
-@pytest.mark.parametrize("tiles", [TILES[0], TILES[4]], ids=_tiles_id)
-def test_graph_replay_follows_the_plan_written_into_static_buffers(tiles):
+def test_graph_replay_follows_the_plan_written_into_static_buffers():
     from arctic_rl_core.zorro.attention import triton_attention as kernel
 
     tables, lengths = _forest_batch()
     n = len(tables)
     caches = _cache(torch.bfloat16)
+    tiles = TileShape(GROUP)
     width = max(map(len, tables))
     block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32, device="cuda")
     static = kernel.DevicePlan.empty(max_items=512, max_query_refs=2048, max_queries=n, max_partial_rows=2048,
@@ -184,44 +178,3 @@ def test_graph_replay_follows_the_plan_written_into_static_buffers(tiles):
         graph.replay()
         expected = paged_decode_attention(q.float(), caches[0].float(), caches[1].float(), block_tables, lens, D**-0.5)
         torch.testing.assert_close(out.float(), expected, atol=2e-2, rtol=2e-2)
-
-
-def test_fused_merge_reads_only_partials_of_its_own_launch():
-    """Layer after layer over one workspace (as the engine's graph runs them), each layer with its own queries:
-    a merge that read a partial before its unit had written it would read the layer before's, and be wrong."""
-    from arctic_rl_core.zorro.attention import triton_attention as kernel
-
-    tiles = TileShape(GROUP, fused_merge=True)
-    tables, lengths = _forest_batch(prefix_blocks=512, groups=4, per_group=16, suffix_tokens=(256,))
-    forest = build_forest(tables, lengths, BS)
-    caches = _cache(torch.bfloat16)
-    width = max(map(len, tables))
-    block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32, device="cuda")
-    positions = torch.tensor([n - 1 for n in lengths], dtype=torch.int32, device="cuda")
-    plan = plan_decode(forest, lengths, tiles, target_items=264)
-    device_plan = kernel.DevicePlan.from_plan(plan, "cuda")
-    workspace = kernel.Workspace.allocate(plan.num_partial_rows, HKV * GROUP, D, "cuda", torch.bfloat16)
-    layers = 8
-    qs = [torch.randn(len(tables), HKV * GROUP, D, device="cuda").to(torch.bfloat16) for _ in range(layers)]
-    outs = [torch.empty_like(q) for q in qs]
-
-    def run():
-        for q, out in zip(qs, outs):
-            kernel.paged_attention(q, *caches, block_tables, positions, device_plan, workspace, D**-0.5, tiles,
-                                   out=out, decode=True)  # fmt: skip
-
-    run()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        run()
-    expected = [
-        paged_decode_attention(q.float(), caches[0].float(), caches[1].float(), block_tables, lengths, D**-0.5)
-        for q in qs
-    ]
-    for _ in range(20):
-        for out in outs:
-            out.fill_(float("nan"))
-        graph.replay()
-        for out, want in zip(outs, expected):
-            torch.testing.assert_close(out.float(), want, atol=2e-2, rtol=2e-2)
-    assert not workspace.counters.any()

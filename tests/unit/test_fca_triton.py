@@ -85,7 +85,7 @@ def check_cascade_decode_in_16_bit_equals_plain_attention(dtype, **tile_options)
     torch.testing.assert_close(out.float(), expected, atol=4e-3, rtol=4e-3)
 
 
-def check_decode_plan_balanced_over_lanes_equals_plain_attention(**tile_options):
+def check_decode_plan_balanced_over_lanes_equals_plain_attention():
     """Shared prefixes cut into pieces of unequal lengths (``plan_decode``'s ``lanes``), merged exactly."""
     kernel = _kernel()
     tables, lengths, blocks = [], [], 0
@@ -95,7 +95,7 @@ def check_decode_plan_balanced_over_lanes_equals_plain_attention(**tile_options)
             tables.append(shared + list(range(blocks + 192 + 18 * i, blocks + 210 + 18 * i)))
             lengths.append(838)
         blocks += 192 + 54
-    tiles = TileShape(3, wide_rows=32, narrow_rows=4, **tile_options)
+    tiles = TileShape(3, wide_rows=32, narrow_rows=4)
     plan = plan_decode(build_forest(tables, lengths, BS), lengths, tiles, target_items=8, lanes=4)
     assert sorted((plan.wide_items[:, 4] - plan.wide_items[:, 3]).tolist()) == [192, 384, 384, 576]
     k_cache, v_cache, block_tables, g = _setup(tables, 3)
@@ -106,34 +106,13 @@ def check_decode_plan_balanced_over_lanes_equals_plain_attention(**tile_options)
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
 
 
-def check_fused_merge_serves_launch_after_launch(group):
-    """The merge inside the attention kernel (``fused_merge``): exact, and its counters back at 0 after each
-    launch, so the next launch (the next layer, the next step) over the same workspace is exact too."""
-    kernel = _kernel()
-    tables, lengths = THREE_LEVELS
-    k_cache, v_cache, block_tables, g = _setup(tables, group)
-    tiles = TileShape(group, wide_rows=32, narrow_rows=4, fused_merge=True)
-    plan = plan_decode(build_forest(tables, lengths, BS), lengths, tiles, target_items=64)
-    assert len(plan.merge_rows) > len(tables)  # queries with several partials each
-    device_plan = kernel.DevicePlan.from_plan(plan, "cpu")
-    workspace = kernel.Workspace.allocate(plan.num_partial_rows, HKV * group, D, "cpu")
-    positions = torch.tensor([n - 1 for n in lengths], dtype=torch.int32)
-    for _ in range(3):
-        q = torch.randn(len(tables), HKV * group, D, generator=g)
-        out = kernel.paged_attention(q, k_cache, v_cache, block_tables, positions, device_plan, workspace, SCALE,
-                                     tiles, out=torch.full_like(q, float("nan")), decode=True)  # fmt: skip
-        expected = paged_decode_attention(q, k_cache, v_cache, block_tables, lengths, SCALE)
-        torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
-        assert not workspace.counters.any()
-
-
-def check_plain_decode_kernel_with_split_contexts_equals_reference(**tile_options):
+def check_plain_decode_kernel_with_split_contexts_equals_reference():
     kernel = _kernel()
     tables = [[3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21], [30, 31]]
     lengths = [73, 6]
     k_cache, v_cache, block_tables, g = _setup(tables, 2)
     q = torch.randn(2, HKV * 2, D, generator=g)
-    tiles = TileShape(2, **tile_options)
+    tiles = TileShape(2)
     plan = plan_decode(PrefixForest.unshared(2), lengths, tiles, target_items=8)
     assert len(plan.merge_rows) == 2  # the long context is split in two 64-position chunks
     out = _run(kernel, plan, q, k_cache, v_cache, block_tables, torch.tensor([72, 5], dtype=torch.int32), tiles)
@@ -304,22 +283,6 @@ CHECKS = {
         )
     },
     "cache_blocks_not_outermost": (check_caches_whose_blocks_are_strided_views, ()),
-    # The merge inside the attention kernel.
-    **{f"fused_merge[group={g}]": (check_fused_merge_serves_launch_after_launch, (g,)) for g in (1, 3)},
-    **{
-        name: (partial(check, fused_merge=True), args)
-        for name, check, args in (
-            ("cascade_decode[fused_merge]", check_cascade_decode_kernel_equals_plain_attention, (3, 64)),
-            (
-                "cascade_decode[fp16,fused_merge]",
-                check_cascade_decode_in_16_bit_equals_plain_attention,
-                (torch.float16,),
-            ),
-            ("decode_balanced_lanes[fused_merge]", check_decode_plan_balanced_over_lanes_equals_plain_attention, ()),
-            ("decode_plan_reused[fused_merge]", check_a_decode_plan_serves_later_steps_up_to_its_capacity, (64,)),
-            ("plain_decode_split[fused_merge]", check_plain_decode_kernel_with_split_contexts_equals_reference, ()),
-        )
-    },
 }
 
 

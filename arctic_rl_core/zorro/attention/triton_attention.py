@@ -171,86 +171,13 @@ def _softmax_step(
 
 
 @triton.jit
-def _merge_finished_queries(
-    OUT, PART_O, PART_LSE, QUERY_INDEX, MERGE_OFFSETS, MERGE_ROWS, COUNTERS, query_offset, query_count, kv_head,
-    stride_ot, stride_oh, NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
-    THREADS: tl.constexpr,
-):  # fmt: skip
-    """After a unit wrote its partials: count them, and merge each of its queries whose partials are now all written.
-
-    One counter per (query, KV head) (at the query's first merge row, so the
-    workspace sizes them): the unit that brings it to the query's partial
-    count is the last, merges that query's heads of this KV head, and puts
-    the counter back to 0 for the next launch. This is the merge launch's
-    work, done where the partials were just written, with no launch and no
-    wait for the slowest program. One slot per thread (``THREADS``): each
-    thread reads its own atomic's result (Triton broadcasts no tensor
-    atomic's result to the other threads holding an element).
-    """
-    # Every thread's partials are written before any counts them (the atomics release them, gpu-wide).
-    tl.debug_barrier()
-    slot = tl.arange(0, THREADS)
-    counted = slot < query_count
-    token = tl.load(QUERY_INDEX + query_offset + slot, mask=counted, other=0)
-    lo = tl.load(MERGE_OFFSETS + token, mask=counted, other=0)
-    hi = tl.load(MERGE_OFFSETS + token + 1, mask=counted, other=0)
-    done = tl.atomic_add(COUNTERS + lo * NUM_HEADS + kv_head, 1, mask=counted, sem="acq_rel", scope="gpu")
-    last = (counted & (done == hi - lo - 1)).to(tl.int32)
-    if tl.max(last, axis=0) > 0:
-        for j in range(query_count):
-            if tl.sum(tl.where(slot == j, last, 0), axis=0) > 0:
-                token_j = tl.load(QUERY_INDEX + query_offset + j)
-                lo_j = tl.load(MERGE_OFFSETS + token_j)
-                hi_j = tl.load(MERGE_OFFSETS + token_j + 1)
-                _merge_query(OUT, PART_O, PART_LSE, MERGE_ROWS, token_j, lo_j, hi_j, kv_head, stride_ot, stride_oh,
-                             NUM_HEADS, GROUP, HEAD_DIM)  # fmt: skip
-                tl.store(COUNTERS + lo_j * NUM_HEADS + kv_head, 0)
-
-
-@triton.jit
-def _merge_query(
-    OUT, PART_O, PART_LSE, MERGE_ROWS, token, lo, hi, kv_head, stride_ot, stride_oh, NUM_HEADS: tl.constexpr,
-    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_E: tl.constexpr = 4,
-):  # fmt: skip
-    """``token``'s heads of ``kv_head``: the softmax-weighted sum of its partial rows ``MERGE_ROWS[lo:hi]``.
-
-    Partials written by other programs of this launch are read past the L1
-    cache (``.cg``), which is not coherent across multiprocessors.
-    """
-    heads_in_group = tl.arange(0, triton.next_power_of_2(GROUP))
-    head_valid = heads_in_group < GROUP
-    head = kv_head * GROUP + heads_in_group
-    dims = tl.arange(0, HEAD_DIM)
-    m = tl.full([triton.next_power_of_2(GROUP)], float("-inf"), tl.float32)
-    total = tl.zeros([triton.next_power_of_2(GROUP)], tl.float32)
-    acc = tl.zeros([triton.next_power_of_2(GROUP), HEAD_DIM], tl.float32)
-    for e0 in range(lo, hi, BLOCK_E):
-        entries = e0 + tl.arange(0, BLOCK_E)
-        valid = (entries < hi)[:, None] & head_valid[None, :]
-        prow = tl.load(MERGE_ROWS + entries, mask=entries < hi, other=0).to(tl.int64)[:, None] * NUM_HEADS + head
-        lse = tl.load(PART_LSE + prow, mask=valid, other=float("-inf"), cache_modifier=".cg")
-        o = tl.load(PART_O + prow[:, :, None] * HEAD_DIM + dims[None, None, :], mask=valid[:, :, None], other=0.0,
-                    cache_modifier=".cg")  # fmt: skip
-        m_new = tl.maximum(m, tl.max(lse, axis=0))
-        m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
-        w = tl.exp(lse - m_shift[None, :])
-        alpha = tl.exp(m - m_shift)
-        total = total * alpha + tl.sum(w, axis=0)
-        acc = acc * alpha[:, None] + tl.sum(w[:, :, None] * o.to(tl.float32), axis=0)
-        m = m_new
-    out = acc / tl.where(total > 0.0, total, 1.0)[:, None]
-    tl.store(OUT + token * stride_ot + head[:, None] * stride_oh + dims[None, :], out.to(OUT.dtype.element_ty),
-             mask=head_valid[:, None])  # fmt: skip
-
-
-@triton.jit
 def _attend_item(
     Q, K_CACHE, V_CACHE, OUT, PART_O, PART_LSE, BLOCK_TABLES, item, kv_head, QUERY_INDEX, QUERY_POS,
-    MERGE_OFFSETS, MERGE_ROWS, COUNTERS, scale_log2, stride_qt, stride_qh, stride_kb, stride_ks, stride_kh,
-    stride_ot, stride_oh, stride_bt, NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, PREFETCH: tl.constexpr,
+    scale_log2, stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_ot, stride_oh, stride_bt,
+    NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, PREFETCH: tl.constexpr,
     LOOP_STAGES: tl.constexpr, first, WAIT: tl.constexpr, DECODE: tl.constexpr, MAY_OVERRUN: tl.constexpr,
-    INT32_OFFSETS: tl.constexpr, FUSED_MERGE: tl.constexpr, THREADS: tl.constexpr,
+    INT32_OFFSETS: tl.constexpr,
 ):  # fmt: skip
     """One work unit: a tile of queries (``BLOCK_M // GROUP`` of them, all heads of one KV head) over a KV range.
 
@@ -371,22 +298,17 @@ def _attend_item(
                  mask=row_valid[:, None])  # fmt: skip
         lse = tl.where(seen, (m_i + tl.log2(tl.where(seen, l_i, 1.0))) / 1.4426950408889634, float("-inf"))
         tl.store(PART_LSE + prow, lse, mask=row_valid)
-        if FUSED_MERGE:
-            _merge_finished_queries(OUT, PART_O, PART_LSE, QUERY_INDEX, MERGE_OFFSETS, MERGE_ROWS, COUNTERS,
-                                    query_offset, query_count, kv_head, stride_ot, stride_oh, NUM_HEADS, GROUP,
-                                    HEAD_DIM, THREADS)  # fmt: skip
 
 
 @triton.jit
 def _attend_items(
     Q, K_CACHE, V_CACHE, OUT, PART_O, PART_LSE, BLOCK_TABLES, WIDE_ITEMS, NARROW_ITEMS, COUNTS, QUERY_INDEX,
-    QUERY_POS, MERGE_OFFSETS, MERGE_ROWS, COUNTERS, scale_log2, stride_qt, stride_qh, stride_kb, stride_ks,
-    stride_kh, stride_ot, stride_oh, stride_bt,
+    QUERY_POS, scale_log2, stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_ot, stride_oh, stride_bt,
     NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, WIDE_M: tl.constexpr, NARROW_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_WIDE: tl.constexpr, PRECISION: tl.constexpr, USE_PDL: tl.constexpr, EARLY: tl.constexpr,
     DECODE: tl.constexpr, NARROW_PREFETCH: tl.constexpr, NARROW_STAGES: tl.constexpr, WIDE_STAGES: tl.constexpr,
-    INT32_OFFSETS: tl.constexpr, FUSED_MERGE: tl.constexpr, THREADS: tl.constexpr,
+    INT32_OFFSETS: tl.constexpr,
 ):  # fmt: skip
     """Persistent over (item, KV head) work units: the wide items first (the longest), then the narrow ones.
 
@@ -411,22 +333,20 @@ def _attend_items(
                 _attend_item(
                     Q, K_CACHE, V_CACHE, OUT, PART_O, PART_LSE, BLOCK_TABLES,
                     WIDE_ITEMS + (work // NUM_KV_HEADS) * 6, work % NUM_KV_HEADS, QUERY_INDEX, QUERY_POS,
-                    MERGE_OFFSETS, MERGE_ROWS, COUNTERS, scale_log2, stride_qt, stride_qh, stride_kb, stride_ks,
-                    stride_kh, stride_ot, stride_oh, stride_bt, NUM_HEADS, GROUP, HEAD_DIM, BLOCK_SIZE, WIDE_M, BLOCK_N, PRECISION, PREFETCH=WIDE_STAGES == 0,
+                    scale_log2, stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_ot, stride_oh, stride_bt,
+                    NUM_HEADS, GROUP, HEAD_DIM, BLOCK_SIZE, WIDE_M, BLOCK_N, PRECISION, PREFETCH=WIDE_STAGES == 0,
                     LOOP_STAGES=WIDE_STAGES,
                     first=first, WAIT=USE_PDL, DECODE=DECODE, MAY_OVERRUN=False, INT32_OFFSETS=INT32_OFFSETS,
-                    FUSED_MERGE=FUSED_MERGE, THREADS=THREADS,
                 )  # fmt: skip
         else:
             unit = work - num_wide
             _attend_item(
                 Q, K_CACHE, V_CACHE, OUT, PART_O, PART_LSE, BLOCK_TABLES,
                 NARROW_ITEMS + (unit // NUM_KV_HEADS) * 6, unit % NUM_KV_HEADS, QUERY_INDEX, QUERY_POS,
-                MERGE_OFFSETS, MERGE_ROWS, COUNTERS, scale_log2, stride_qt, stride_qh, stride_kb, stride_ks, stride_kh,
-                stride_ot, stride_oh, stride_bt, NUM_HEADS, GROUP, HEAD_DIM, BLOCK_SIZE, NARROW_M, BLOCK_N, PRECISION, PREFETCH=NARROW_PREFETCH,
+                scale_log2, stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_ot, stride_oh, stride_bt,
+                NUM_HEADS, GROUP, HEAD_DIM, BLOCK_SIZE, NARROW_M, BLOCK_N, PRECISION, PREFETCH=NARROW_PREFETCH,
                 LOOP_STAGES=NARROW_STAGES,
                 first=first, WAIT=USE_PDL, DECODE=DECODE, MAY_OVERRUN=True, INT32_OFFSETS=INT32_OFFSETS,
-                FUSED_MERGE=FUSED_MERGE, THREADS=THREADS,
             )  # fmt: skip
     if USE_PDL:
         if EARLY:
@@ -519,9 +439,6 @@ class Workspace:
 
     partial_out: torch.Tensor  # [rows, num_heads, head_dim]
     partial_lse: torch.Tensor  # [rows, num_heads]
-    # The fused merge's per (query, KV head) counts of written partials, at [query's first merge row, KV head].
-    # Zero between launches: the last unit to count a query's partials merges them and puts its counter back.
-    counters: torch.Tensor  # [rows, num_heads] int32
 
     @classmethod
     def allocate(cls, rows: int, num_heads: int, head_dim: int, device, dtype=torch.float32) -> "Workspace":
@@ -529,7 +446,6 @@ class Workspace:
         return cls(
             torch.empty(rows, num_heads, head_dim, dtype=dtype, device=device),
             torch.empty(rows, num_heads, dtype=torch.float32, device=device),
-            torch.zeros(rows, num_heads, dtype=torch.int32, device=device),
         )
 
 
@@ -595,7 +511,6 @@ def kernel_options(
         HAS_WIDE=wide, PRECISION="ieee" if dtype == torch.float32 else "tf32", USE_PDL=use_pdl,
         EARLY=tiles.early_loads, DECODE=decode, NARROW_PREFETCH=tiles.narrow_prefetch, NARROW_STAGES=tiles.stages,
         WIDE_STAGES=tiles.wide_stages, INT32_OFFSETS=tiles.int32_offsets and cache_fits_int32,
-        FUSED_MERGE=tiles.fused_merge, THREADS=32 * (tiles.wide_warps if wide else 4),
         num_warps=tiles.wide_warps if wide else 4, num_stages=tiles.stages,
     )  # fmt: skip
     if wide and tiles.wide_maxnreg:
@@ -621,8 +536,7 @@ def compile_attention(
     launch = {name: options.pop(name) for name in ("num_warps", "num_stages", "maxnreg") if name in options}
     value = "*" + _DTYPE_NAMES[dtype]
     types = dict.fromkeys(("Q", "K_CACHE", "V_CACHE", "OUT", "PART_O"), value)
-    plan = ("BLOCK_TABLES", "WIDE_ITEMS", "NARROW_ITEMS", "COUNTS", "QUERY_INDEX", "QUERY_POS", "MERGE_OFFSETS",
-            "MERGE_ROWS", "COUNTERS")  # fmt: skip
+    plan = ("BLOCK_TABLES", "WIDE_ITEMS", "NARROW_ITEMS", "COUNTS", "QUERY_INDEX", "QUERY_POS")
     types.update(dict.fromkeys(plan, "*i32"), PART_LSE="*fp32", scale_log2="fp32")
     # Whole allocations, and the strides of [tokens, heads, dim] and [blocks, slots, kv heads, dim] with dim % 16 == 0;
     # the block table's row stride (its width) varies.
@@ -698,13 +612,12 @@ def paged_attention(
     use_pdl = options["USE_PDL"]
     args = (
         q, k_cache, v_cache, out, workspace.partial_out, workspace.partial_lse, block_tables, plan.wide_items,
-        plan.narrow_items, plan.counts, plan.query_index, query_positions, plan.merge_offsets, plan.merge_rows,
-        workspace.counters, scale * LOG2E,
+        plan.narrow_items, plan.counts, plan.query_index, query_positions, scale * LOG2E,
         q.stride(0), q.stride(1), *k_cache.stride()[:3], out.stride(0), out.stride(1), block_tables.stride(0),
     )  # fmt: skip
     programs = _resident_programs(args, options, q.device) if q.is_cuda else 4
     _attend_items[(programs,)](*args, **options, **({"launch_pdl": True} if use_pdl else {}))
-    if merge and not options["FUSED_MERGE"]:
+    if merge:
         _merge_partials[(num_tokens, num_heads)](
             out, workspace.partial_out, workspace.partial_lse, plan.merge_offsets, plan.merge_rows,
             out.stride(0), out.stride(1), NUM_HEADS=num_heads, HEAD_DIM=head_dim, BLOCK_E=64, USE_PDL=use_pdl,
