@@ -25,18 +25,8 @@ def variants(quick: bool) -> list[tuple[TileShape, float]]:
     default = TileShape(GROUP)
     rows128 = dataclasses.replace(default, **ROWS_128)
     # The variants that the code last changed come first, so a call that runs out of time still has them.
-    # Wide steps of 32 keys, the narrow ones kept at 64: 128-row tiles over 4 warps (a group of 16 reads its prefix
-    # once, 233 registers, 2 programs per SM), or 64-row ones (164 registers: 3 per SM).
-    rows128_n32 = dataclasses.replace(default, wide_rows=128, wide_block_n=32, chunk_per_row=2)
-    rows64_n32 = dataclasses.replace(default, wide_block_n=32)
     out = [
         (default, 1.0),
-        (rows128_n32, 1.0),
-        (rows128_n32, 0.75),
-        (rows128_n32, 1.5),
-        (rows64_n32, 1.0),
-        (rows64_n32, 1.5),
-        (default, 1.0),  # again, for the noise between two identical rows
         # 64-bit cache offsets (the default before the 13th session): on an H100 the plain paged kernel 2-3% slower,
         # FCA the same or 0.1-0.3 us slower. (Unmasked loads ahead, 302 instead of 325 instructions per wide step,
         # were 0.6-1.1 us slower at 4x16 in every form tried, that session.)
@@ -74,7 +64,7 @@ def variants(quick: bool) -> list[tuple[TileShape, float]]:
         (dataclasses.replace(default, wide_warps=8), 1.0),
         (dataclasses.replace(default, pdl=False), 1.0),
     ]
-    return out[:7] if quick else out
+    return out[:4] if quick else out
 
 
 def measure(batch: dict, tiles: TileShape, target: int) -> dict:
@@ -128,8 +118,7 @@ def main() -> None:
                              f"items {r['items']:>7s} diff {r['diff']:.1e}")  # fmt: skip
             except Exception as e:  # a variant that fails to compile or run is reported, not fatal
                 cells.append(f"{label}: {type(e).__name__}: {str(e)[:120]}")
-        wide_n = tiles.wide_block_n or tiles.block_n
-        print(f"rows {tiles.wide_rows:3d} w{tiles.wide_warps} bn {tiles.block_n:3d}/{wide_n:3d} st {tiles.stages} "
+        print(f"rows {tiles.wide_rows:3d} w{tiles.wide_warps} bn {tiles.block_n:3d} st {tiles.stages} "
               f"cpr {tiles.chunk_per_row} reg {tiles.wide_maxnreg or 0:3d} pdl {tiles.pdl:d} "
               f"early {tiles.early_loads:d} nprf {tiles.narrow_prefetch:d} wst {tiles.wide_stages} "
               f"i32 {tiles.int32_offsets:d} tgt {target:3d} "

@@ -263,11 +263,6 @@ CHECKS = {
         partial(check_cascade_decode_kernel_equals_plain_attention, narrow_prefetch=True),
         (3, 64),
     ),
-    # Wide tiles stepping through fewer keys than the narrow ones.
-    "cascade_decode[wide_block_n=16]": (
-        partial(check_cascade_decode_kernel_equals_plain_attention, wide_block_n=16),
-        (3, 64),
-    ),
     "cascade_decode[wide_stages]": (
         partial(check_cascade_decode_kernel_equals_plain_attention, wide_stages=3),
         (3, 64),

@@ -89,8 +89,6 @@ class TileShape:
     # On an H100 (13th session, same call): our plain paged kernel 2-3% faster (60.1 -> 58.3 us at 4x16), FCA the
     # same or 0.1-0.3 us faster. A whole wide step: 351 -> 325 instructions (Triton 3.6), the narrow one 255 -> 223.
     int32_offsets: bool = True
-    # The wide tiles' step, when not ``block_n`` (the narrow tiles keep ``block_n``).
-    wide_block_n: int | None = None
 
     def __post_init__(self):
         if self.group < 1 or self.group > self.narrow_rows:
