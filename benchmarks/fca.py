@@ -1,11 +1,13 @@
 """Forest Cascade Attention on one GPU: the fused kernel vs plain attention on the same KV, then end to end.
 
     python benchmarks/fca.py [--skip-e2e] [--even-chunks] [--tiles int32_offsets=0,wide_maxnreg=168]
+                             [--shape qwen2.5-7b|llama-3-8b]
 
 (Kernel variants side by side: ``benchmarks/fca_sweep.py``.)
 
 Kernel: Qwen2-0.5B's attention shape (14 query heads, 2 KV heads, head dim
-64, bf16, block size 16), one decode token per request, in two cases:
+64, bf16, block size 16; ``--shape``: Qwen2.5-7B's 28/4/128 or Llama-3-8B's
+32/8/128), one decode token per request, in two cases:
 64 requests in 4 groups of 16 that each share an 8K prefix, and 16 requests
 sharing one 8K prefix; every request has a 256-token suffix of its own.
 Baselines measured in the same run: PyTorch SDPA (flash) over each request's
@@ -34,9 +36,32 @@ from arctic_rl_core.zorro.attention.forest import PrefixForest, build_forest
 from arctic_rl_core.zorro.attention.plan import TileShape, plan_decode
 from arctic_rl_core.zorro.attention.reference import paged_decode_attention
 
-HEADS, KV_HEADS, DIM, BLOCK = 14, 2, 64, 16
+BLOCK = 16
 LAYERS = 16
-SCALE = DIM**-0.5
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionShape:
+    """A model's attention as the kernel sees it: query heads, KV heads, head dimension."""
+
+    name: str
+    heads: int
+    kv_heads: int
+    dim: int
+
+    @property
+    def scale(self) -> float:
+        return self.dim**-0.5
+
+
+# --shape: the kernels at other models' attention (the end to end builds the Qwen2-0.5B shape only).
+SHAPES = {
+    "qwen2-0.5b": AttentionShape("Qwen2-0.5B", 14, 2, 64),
+    "qwen2.5-7b": AttentionShape("Qwen2.5-7B", 28, 4, 128),
+    "llama-3-8b": AttentionShape("Llama-3-8B", 32, 8, 128),
+}
+QWEN2_05B = SHAPES["qwen2-0.5b"]
+HEADS, KV_HEADS, DIM, SCALE = QWEN2_05B.heads, QWEN2_05B.kv_heads, QWEN2_05B.dim, QWEN2_05B.scale
 
 
 def graph_us(fn, layers: int = LAYERS, replays: int = 30) -> float:
@@ -62,7 +87,7 @@ def graph_us(fn, layers: int = LAYERS, replays: int = 30) -> float:
     return sorted(times)[replays // 2]
 
 
-def paged_batch(groups: int, per_group: int, prefix: int, suffix: int) -> dict:
+def paged_batch(groups: int, per_group: int, prefix: int, suffix: int, shape: AttentionShape = QWEN2_05B) -> dict:
     """``groups`` groups of ``per_group`` requests sharing a prefix's blocks, in 16 layers' worth of paged KV."""
     n = groups * per_group
     prefix_blocks, suffix_blocks = prefix // BLOCK, -(-suffix // BLOCK)
@@ -79,8 +104,9 @@ def paged_batch(groups: int, per_group: int, prefix: int, suffix: int) -> dict:
     def randn(*shape):
         return torch.randn(*shape, generator=gen, device="cuda").to(torch.bfloat16)
 
-    caches = [(randn(num_blocks, BLOCK, KV_HEADS, DIM), randn(num_blocks, BLOCK, KV_HEADS, DIM)) for _ in range(LAYERS)]
-    q = randn(n, HEADS, DIM)
+    kv_shape = (num_blocks, BLOCK, shape.kv_heads, shape.dim)
+    caches = [(randn(*kv_shape), randn(*kv_shape)) for _ in range(LAYERS)]
+    q = randn(n, shape.heads, shape.dim)
     block_tables = torch.tensor(tables, dtype=torch.int32, device="cuda")
     positions = torch.tensor([x - 1 for x in lengths], dtype=torch.int32, device="cuda")
     return {"tables": tables, "lengths": lengths, "caches": caches, "q": q, "block_tables": block_tables,
@@ -88,12 +114,14 @@ def paged_batch(groups: int, per_group: int, prefix: int, suffix: int) -> dict:
 
 
 def kernel_case(
-    groups: int, per_group: int, prefix: int, suffix: int, target_items: int, tiles: TileShape, with_sdpa: bool = True
-) -> dict:
+    groups: int, per_group: int, prefix: int, suffix: int, target_items: int, tiles: TileShape, with_sdpa: bool = True,
+    shape: AttentionShape = QWEN2_05B,
+) -> dict:  # fmt: skip
     from arctic_rl_core.zorro.attention import triton_attention as kernel
 
     n = groups * per_group
-    batch = paged_batch(groups, per_group, prefix, suffix)
+    heads, kv_heads, dim, scale = shape.heads, shape.kv_heads, shape.dim, shape.scale
+    batch = paged_batch(groups, per_group, prefix, suffix, shape)
     tables, lengths, caches, q = batch["tables"], batch["lengths"], batch["caches"], batch["q"]
     block_tables, positions = batch["block_tables"], batch["positions"]
     forest = build_forest(tables, lengths, BLOCK)
@@ -103,11 +131,11 @@ def kernel_case(
 
     def add(name, plan, wide):
         device_plan = kernel.DevicePlan.from_plan(plan, "cuda")
-        workspace = kernel.Workspace.allocate(plan.num_partial_rows, HEADS, DIM, "cuda", torch.bfloat16)
+        workspace = kernel.Workspace.allocate(plan.num_partial_rows, heads, dim, "cuda", torch.bfloat16)
         out = torch.empty_like(q)
 
         def run(layer, device_plan=device_plan, workspace=workspace, out=out, wide=wide):
-            kernel.paged_attention(q, *caches[layer], block_tables, positions, device_plan, workspace, SCALE, tiles,
+            kernel.paged_attention(q, *caches[layer], block_tables, positions, device_plan, workspace, scale, tiles,
                                    wide=wide, out=out, decode=True)  # fmt: skip
 
         runs[name] = (run, out)
@@ -115,7 +143,7 @@ def kernel_case(
 
     add("fca_uniform", uniform_plan, True)(0)  # builds the kernel, whose programs the engine's plans balance
     add("plain", plain_plan, False)
-    lanes = kernel.plan_lanes(HEADS, *caches[0], tiles, torch.bfloat16)
+    lanes = kernel.plan_lanes(heads, *caches[0], tiles, torch.bfloat16)
     start = time.perf_counter()
     fca_plan = plan_decode(forest, lengths, tiles, target_items, lanes=lanes)
     plan_ms = (time.perf_counter() - start) * 1e3
@@ -124,26 +152,26 @@ def kernel_case(
     times = {name: graph_us(run) for name, (run, _) in runs.items()}
     fca_out, plain_out = runs["fca"][1], runs["plain"][1]
     reference = paged_decode_attention(q.float(), caches[-1][0].float(), caches[-1][1].float(), block_tables, lengths,
-                                       SCALE)  # fmt: skip
+                                       scale)  # fmt: skip
     sdpa_diff = float("nan")
     if with_sdpa:
-        # SDPA over each request's contiguous KV; GQA as 7 query rows per KV head (flash's fastest decode form).
+        # SDPA over each request's contiguous KV; GQA as the group's query rows per KV head (flash's fastest decode form).
         index = torch.arange(prefix + suffix, device="cuda")
         slots = (block_tables[:, index // BLOCK].long() * BLOCK + index % BLOCK).flatten()
         sdpa_kv = [
-            tuple(c.flatten(0, 1)[slots].view(n, -1, KV_HEADS, DIM).transpose(1, 2).contiguous() for c in cache)
+            tuple(c.flatten(0, 1)[slots].view(n, -1, kv_heads, dim).transpose(1, 2).contiguous() for c in cache)
             for cache in caches
         ]
-        q_rows = q.view(n, KV_HEADS, HEADS // KV_HEADS, DIM)
+        q_rows = q.view(n, kv_heads, heads // kv_heads, dim)
         sdpa_out = {}
 
         def sdpa(layer):
             with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.FLASH_ATTENTION):
-                sdpa_out["o"] = F.scaled_dot_product_attention(q_rows, *sdpa_kv[layer], scale=SCALE)
+                sdpa_out["o"] = F.scaled_dot_product_attention(q_rows, *sdpa_kv[layer], scale=scale)
 
         times["sdpa"] = graph_us(sdpa)
-        sdpa_diff = (sdpa_out["o"].reshape(n, HEADS, DIM).float() - reference).abs().max().item()
-    token_bytes = 2 * KV_HEADS * DIM * 2  # K and V, bf16
+        sdpa_diff = (sdpa_out["o"].reshape(n, heads, dim).float() - reference).abs().max().item()
+    token_bytes = 2 * kv_heads * dim * 2  # K and V, bf16
     return {
         "times": times,
         "plain_bytes": n * (prefix + suffix) * token_bytes,
@@ -161,14 +189,15 @@ def kernel_case(
 CASES = (("64 requests, 4 groups x 16", 4, 16, 6.0), ("16 requests, 1 group", 1, 16, 3.0))
 
 
-def kernel_benchmark(tiles: TileShape) -> None:
+def kernel_benchmark(tiles: TileShape, shape: AttentionShape = QWEN2_05B) -> None:
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    target = 4 * sms // KV_HEADS  # what the engine uses
+    target = 4 * sms // shape.kv_heads  # what the engine uses
     for label, groups, per_group, goal in CASES:
-        r = kernel_case(groups, per_group, 8192, 256, target, tiles)
+        r = kernel_case(groups, per_group, 8192, 256, target, tiles, shape=shape)
         t = r["times"]
         reduction = r["plain_bytes"] / r["fca_bytes"]
-        print(f"\n[{label}, shared prefix 8192, suffix 256]  ideal byte reduction {reduction:.1f}x")
+        print(f"\n[{label}, shared prefix 8192, suffix 256, {shape.name} attention]  ideal byte reduction "
+              f"{reduction:.1f}x")  # fmt: skip
         rows = (("sdpa", r["plain_bytes"]), ("plain", r["plain_bytes"]), ("fca_uniform", r["fca_bytes"]),
                 ("fca", r["fca_bytes"]))  # fmt: skip
         for name, nbytes in rows:
@@ -185,9 +214,9 @@ def kernel_benchmark(tiles: TileShape) -> None:
               f"vs fp32 reference: FCA {r['diff_fca_ref']:.2e}, SDPA {r['diff_sdpa_ref']:.2e}")  # fmt: skip
 
 
-def tile_shape(changes: str) -> TileShape:
+def tile_shape(changes: str, shape: AttentionShape = QWEN2_05B) -> TileShape:
     """The engine's tile shape for this model, with ``name=value,...`` changes (``--tiles``): a variant to time."""
-    tiles = TileShape(HEADS // KV_HEADS)
+    tiles = TileShape(shape.heads // shape.kv_heads)
     for change in filter(None, changes.split(",")):
         name, _, value = change.partition("=")
         if name not in {field.name for field in dataclasses.fields(TileShape)} or not value.lstrip("-").isdigit():
@@ -272,12 +301,15 @@ def main() -> None:
     parser.add_argument("--even-chunks", action="store_true", help="end to end without plans balanced over lanes")
     parser.add_argument("--model-dir", type=Path, default=Path(tempfile.gettempdir()) / "qwen2-0.5b-random")
     parser.add_argument("--tiles", default="", help="TileShape changes to time, as name=value,... (bools as 0/1)")
+    parser.add_argument("--shape", choices=SHAPES, default="qwen2-0.5b",
+                        help="the kernels at this model's attention (another than the default skips the end to end)")  # fmt: skip
     args = parser.parse_args()
-    tiles = tile_shape(args.tiles)
+    shape = SHAPES[args.shape]
+    tiles = tile_shape(args.tiles, shape)
     print(f"device: {torch.cuda.get_device_name()}; tiles: {tiles}")
     if not args.skip_kernels:
-        kernel_benchmark(tiles)
-    if not args.skip_e2e:
+        kernel_benchmark(tiles, shape)
+    if not args.skip_e2e and shape == QWEN2_05B:
         e2e_benchmark(args.model_dir, group=16, prompt_len=8192, new_tokens=512, tiles=tiles,
                       replan=args.replan_every_step, sync=args.sync_scheduling, even_chunks=args.even_chunks)  # fmt: skip
 

@@ -13,9 +13,9 @@ BS, HKV, D = 16, 2, 64
 GROUP = 7
 
 
-def _cache(dtype, blocks=4096, seed=0):
+def _cache(dtype, blocks=4096, seed=0, kv_heads=HKV, dim=D):
     g = torch.Generator(device="cuda").manual_seed(seed)
-    return tuple(torch.randn(blocks, BS, HKV, D, generator=g, device="cuda").to(dtype) for _ in range(2))
+    return tuple(torch.randn(blocks, BS, kv_heads, dim, generator=g, device="cuda").to(dtype) for _ in range(2))
 
 
 def _forest_batch(prefix_blocks=40, groups=3, per_group=5, suffix_tokens=(33, 90, 7, 150, 64)):
@@ -40,9 +40,9 @@ def _run(q, caches, tables, lengths, plan, positions, tiles, decode=True):
     width = max(map(len, tables))
     block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32, device="cuda")
     device_plan = kernel.DevicePlan.from_plan(plan, "cuda")
-    workspace = kernel.Workspace.allocate(plan.num_partial_rows, q.shape[1], D, "cuda")
+    workspace = kernel.Workspace.allocate(plan.num_partial_rows, q.shape[1], q.shape[2], "cuda")
     out = kernel.paged_attention(
-        q, *caches, block_tables, positions, device_plan, workspace, D**-0.5, tiles, decode=decode
+        q, *caches, block_tables, positions, device_plan, workspace, q.shape[2] ** -0.5, tiles, decode=decode
     )
     return out, block_tables
 
@@ -132,6 +132,33 @@ def test_prefill_kernel_equals_reference(tiles):
     )
     expected = paged_prefill_attention(q.float(), caches[0].float(), caches[1].float(), block_tables, query_lens,
                                        lengths, D**-0.5)  # fmt: skip
+    torch.testing.assert_close(out.float(), expected, atol=2e-2, rtol=2e-2)
+
+
+# Larger models' attention: Qwen2.5-7B (28 heads, 4 KV heads, dim 128), Llama-3-8B (32/8/128: a group of 16
+# requests in one 64-row tile), Qwen3-0.6B (16/8/128).
+@pytest.mark.parametrize("heads, kv_heads, dim", [(28, 4, 128), (32, 8, 128), (16, 8, 128)])
+def test_decode_and_prefill_at_other_models_attention_equal_reference(heads, kv_heads, dim):
+    tiles = TileShape(heads // kv_heads)
+    caches = _cache(torch.bfloat16, kv_heads=kv_heads, dim=dim)
+    k_ref, v_ref = caches[0].float(), caches[1].float()
+    tables, lengths = _forest_batch(per_group=16)
+    q = torch.randn(len(tables), heads, dim, device="cuda").to(torch.bfloat16)
+    plan = plan_decode(build_forest(tables, lengths, BS), lengths, tiles, target_items=264)
+    assert len(plan.wide_items) > 0
+    positions = torch.tensor([n - 1 for n in lengths], dtype=torch.int32, device="cuda")
+    out, block_tables = _run(q, caches, tables, lengths, plan, positions, tiles)
+    expected = paged_decode_attention(q.float(), k_ref, v_ref, block_tables, lengths, dim**-0.5)
+    torch.testing.assert_close(out.float(), expected, atol=2e-2, rtol=2e-2)
+
+    tables = [list(range(0, 70)), list(range(100, 103))]
+    query_lens, lengths = [1100, 40], [1100, 40]
+    q = torch.randn(sum(query_lens), heads, dim, device="cuda").to(torch.bfloat16)
+    positions = [p for n, length in zip(query_lens, lengths) for p in range(length - n, length)]
+    positions = torch.tensor(positions, dtype=torch.int32, device="cuda")
+    plan = plan_prefill(query_lens, lengths, tiles)
+    out, block_tables = _run(q, caches, tables, lengths, plan, positions, tiles, decode=False)
+    expected = paged_prefill_attention(q.float(), k_ref, v_ref, block_tables, query_lens, lengths, dim**-0.5)
     torch.testing.assert_close(out.float(), expected, atol=2e-2, rtol=2e-2)
 
 
