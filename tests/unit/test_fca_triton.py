@@ -159,6 +159,29 @@ def check_prefill_kernel_is_causal_after_a_cached_prefix(long_prefix=False, **ti
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
 
 
+def check_decode_at_a_7b_models_attention_equals_plain_attention():
+    """Qwen2.5-7B's attention (28 query heads over 4 KV heads, head dim 128) with the engine's tiles: five
+    requests share eight blocks, each with a ninth of its own."""
+    kernel = _kernel()
+    heads, kv_heads, dim, block = 28, 4, 128, 16
+    tables = [list(range(8)) + [20 + i] for i in range(5)]
+    lengths = [8 * block + 5] * 5
+    g = torch.Generator().manual_seed(0)
+    k_cache = torch.randn(40, block, kv_heads, dim, generator=g)
+    v_cache = torch.randn(40, block, kv_heads, dim, generator=g)
+    q = torch.randn(len(tables), heads, dim, generator=g)
+    tiles = TileShape(heads // kv_heads)
+    plan = plan_decode(build_forest(tables, lengths, block), lengths, tiles, target_items=8)
+    assert len(plan.wide_items) == 1
+    block_tables = torch.tensor(tables, dtype=torch.int32)
+    positions = torch.tensor([n - 1 for n in lengths], dtype=torch.int32)
+    workspace = kernel.Workspace.allocate(plan.num_partial_rows, heads, dim, "cpu")
+    out = kernel.paged_attention(q, k_cache, v_cache, block_tables, positions, kernel.DevicePlan.from_plan(plan, "cpu"),
+                                 workspace, dim**-0.5, tiles, out=torch.full_like(q, float("nan")), decode=True)  # fmt: skip
+    expected = paged_decode_attention(q, k_cache, v_cache, block_tables, lengths, dim**-0.5)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+
+
 def check_decode_with_blocks_that_do_not_divide_a_step(block_size, block_n=64, **tile_options):
     """Blocks larger than the kernel's step, or of a size that does not divide it, or than the plan's
     64-position chunk alignment, take the general path from positions to cache slots (one division per
@@ -283,6 +306,7 @@ CHECKS = {
         )
     },
     "cache_blocks_not_outermost": (check_caches_whose_blocks_are_strided_views, ()),
+    "decode_qwen2.5_7b_attention": (check_decode_at_a_7b_models_attention_equals_plain_attention, ()),
 }
 
 
