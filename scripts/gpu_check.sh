@@ -4,10 +4,9 @@
 #   bash scripts/gpu_check.sh tests     # tests/gpu: kernels, native engine, sleep modes, weight sync (~5 min)
 #   bash scripts/gpu_check.sh bench     # sampling.py, fca.py, fca_sweep.py --quick (~8 min)
 #   bash scripts/gpu_check.sh profile   # decode_profile.py, decode_linear.py --chain-only, fca_sweep.py
-#   bash scripts/gpu_check.sh changed   # what the last session changed (decode plans balanced over the
-#                                       # kernel's lanes): fca.py (even chunks timed in the same process),
-#                                       # its end to end with --even-chunks, FCA's and the native engine's
-#                                       # GPU tests
+#   bash scripts/gpu_check.sh changed   # what the last session changed (FCA at larger models' attention,
+#                                       # not yet run on a GPU): its GPU test, fca.py --shape for
+#                                       # Qwen2.5-7B and Llama-3-8B, then fca.py
 #   bash scripts/gpu_check.sh ncu       # Nsight Compute's counters for the FCA kernels (4x16 and 1x16, 64- and
 #                                       # 128-row tiles): ncu-*.txt details, ncu-*-sass.csv stall samples per
 #                                       # instruction; then fca.py
@@ -53,10 +52,11 @@ case "${1:-}" in
     step fca-sweep 300 python3 benchmarks/fca_sweep.py
     ;;
   changed)
+    step other-shapes-tests 150 python3 -m pytest -q -p no:cacheprovider -rs tests/gpu/test_fca_kernel.py \
+      -k other_models --junitxml="$out/other-shapes-tests.xml"
+    step fca-qwen2.5-7b 120 python3 benchmarks/fca.py --skip-e2e --shape qwen2.5-7b
+    step fca-llama-3-8b 120 python3 benchmarks/fca.py --skip-e2e --shape llama-3-8b
     step fca 150 python3 benchmarks/fca.py
-    step fca-even-chunks 120 python3 benchmarks/fca.py --skip-kernels --even-chunks
-    step changed-tests 170 python3 -m pytest -q -p no:cacheprovider -rs tests/gpu/test_fca_kernel.py \
-      tests/gpu/test_native_engine_gpu.py --junitxml="$out/changed-tests.xml"
     ;;
   ncu)
     ncu=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | tail -1)
