@@ -155,7 +155,7 @@ def kernel_case(
                                        scale)  # fmt: skip
     sdpa_diff = float("nan")
     if with_sdpa:
-        # SDPA over each request's contiguous KV; GQA as the group's query rows per KV head (flash's fastest decode form).
+        # SDPA over each request's contiguous KV; GQA as a group's query rows per KV head (flash's fastest decode).
         index = torch.arange(prefix + suffix, device="cuda")
         slots = (block_tables[:, index // BLOCK].long() * BLOCK + index % BLOCK).flatten()
         sdpa_kv = [
@@ -302,7 +302,7 @@ def main() -> None:
     parser.add_argument("--model-dir", type=Path, default=Path(tempfile.gettempdir()) / "qwen2-0.5b-random")
     parser.add_argument("--tiles", default="", help="TileShape changes to time, as name=value,... (bools as 0/1)")
     parser.add_argument("--shape", choices=SHAPES, default="qwen2-0.5b",
-                        help="the kernels at this model's attention (another than the default skips the end to end)")  # fmt: skip
+                        help="the kernels at this model's attention (any other than the default skips the end to end)")  # fmt: skip
     args = parser.parse_args()
     shape = SHAPES[args.shape]
     tiles = tile_shape(args.tiles, shape)
