@@ -319,6 +319,7 @@ test_kernel_under_the_interpreter = check_test(__file__, CHECKS)
         ("scale", "scale must be positive"),
         ("strides", "one layout for both caches"),
         ("odd_offset", "4-byte boundary"),
+        ("head_dim", "power of two of at least 16, got 24"),
     ],
 )
 def test_paged_attention_names_what_it_needs_of_its_inputs(case, message):
@@ -331,7 +332,10 @@ def test_paged_attention_names_what_it_needs_of_its_inputs(case, message):
     if case == "odd_offset":  # a view one value into a larger cache: its 32-bit words would straddle values
         k_cache = torch.zeros(48, BS, HKV, D + 2, dtype=torch.half)[..., 1:-1]  # even strides, odd start
         v_cache = torch.zeros(48, BS, HKV, D + 2, dtype=torch.half)[..., 1:-1]
-    q = torch.randn(len(tables), HKV, D, generator=g).half()
+    if case == "head_dim":  # 24 dims: no tile spans them
+        k_cache = torch.zeros(48, BS, HKV, 24, dtype=torch.half)
+        v_cache = torch.zeros(48, BS, HKV, 24, dtype=torch.half)
+    q = torch.randn(len(tables), HKV, k_cache.shape[-1], generator=g).half()
     tiles = TileShape(1, wide_rows=32, narrow_rows=4)
     plan = plan_decode(build_forest(tables, lengths, BS), lengths, tiles, target_items=1)
     positions = torch.tensor([n - 1 for n in lengths], dtype=torch.int32)

@@ -596,6 +596,9 @@ def paged_attention(
     num_tokens, num_heads, head_dim = q.shape
     if not scale > 0:
         raise ValueError(f"paged_attention's scale must be positive (the kernel keeps its maxima scaled), got {scale}")
+    if head_dim < 16 or head_dim & (head_dim - 1):  # tiles span the head dimension; matrix products need K >= 16
+        raise ValueError(f"paged_attention needs a head dimension that is a power of two of at least 16, got "
+                         f"{head_dim}")  # fmt: skip
     if out is None:
         out = torch.empty_like(q)
     if k_cache.stride(3) != 1 or q.stride(2) != 1 or out.stride(2) != 1:
