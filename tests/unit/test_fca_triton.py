@@ -37,10 +37,10 @@ def _setup(tables, group, seed=0):
 
 def _run(kernel, plan, q, k_cache, v_cache, block_tables, positions, tiles, decode=True):
     device_plan = kernel.DevicePlan.from_plan(plan, "cpu")
-    workspace = kernel.Workspace.allocate(plan.num_partial_rows, q.shape[1], D, "cpu")
+    workspace = kernel.Workspace.allocate(plan.num_partial_rows, q.shape[1], q.shape[2], "cpu")
     out = torch.full_like(q, float("nan"))  # every row must be written
-    return kernel.paged_attention(q, k_cache, v_cache, block_tables, positions, device_plan, workspace, SCALE, tiles,
-                                  out=out, decode=decode)  # fmt: skip
+    return kernel.paged_attention(q, k_cache, v_cache, block_tables, positions, device_plan, workspace,
+                                  q.shape[2] ** -0.5, tiles, out=out, decode=decode)  # fmt: skip
 
 
 THREE_LEVELS = (
@@ -175,9 +175,7 @@ def check_decode_at_a_7b_models_attention_equals_plain_attention():
     assert len(plan.wide_items) == 1
     block_tables = torch.tensor(tables, dtype=torch.int32)
     positions = torch.tensor([n - 1 for n in lengths], dtype=torch.int32)
-    workspace = kernel.Workspace.allocate(plan.num_partial_rows, heads, dim, "cpu")
-    out = kernel.paged_attention(q, k_cache, v_cache, block_tables, positions, kernel.DevicePlan.from_plan(plan, "cpu"),
-                                 workspace, dim**-0.5, tiles, out=torch.full_like(q, float("nan")), decode=True)  # fmt: skip
+    out = _run(kernel, plan, q, k_cache, v_cache, block_tables, positions, tiles)
     expected = paged_decode_attention(q, k_cache, v_cache, block_tables, lengths, dim**-0.5)
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
 

@@ -607,10 +607,10 @@ def paged_attention(
         raise ValueError(f"paged_attention needs one layout for both caches, got strides {k_cache.stride()} (keys) "
                          f"and {v_cache.stride()} (values)")  # fmt: skip
     if k_cache.element_size() == 2 and (
-        any(n % 2 for n in (head_dim, *k_cache.stride()[:3])) or k_cache.data_ptr() % 4 or v_cache.data_ptr() % 4
-    ):  # the wide tiles read 16-bit caches as 32-bit words (_as_words)
-        raise ValueError("paged_attention reads 16-bit caches as 32-bit words: it needs an even head dimension, "
-                         "even strides and caches that start on a 4-byte boundary")  # fmt: skip
+        any(n % 2 for n in k_cache.stride()[:3]) or k_cache.data_ptr() % 4 or v_cache.data_ptr() % 4
+    ):  # the wide tiles read 16-bit caches as 32-bit words (_as_words); the head dimension is even (checked above)
+        raise ValueError("paged_attention reads 16-bit caches as 32-bit words: it needs even strides and caches "
+                         "that start on a 4-byte boundary")  # fmt: skip
     options = _launch_options(num_heads, k_cache, v_cache, tiles, q.dtype, wide, decode)
     use_pdl = options["USE_PDL"]
     args = (
