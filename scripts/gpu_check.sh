@@ -4,9 +4,8 @@
 #   bash scripts/gpu_check.sh tests     # tests/gpu: kernels, native engine, sleep modes, weight sync (~5 min)
 #   bash scripts/gpu_check.sh bench     # sampling.py, fca.py, fca_sweep.py --quick (~8 min)
 #   bash scripts/gpu_check.sh profile   # decode_profile.py, decode_linear.py --chain-only, fca_sweep.py
-#   bash scripts/gpu_check.sh changed   # what the last session changed (FCA at larger models' attention,
-#                                       # not yet run on a GPU): its GPU test, fca.py --shape for
-#                                       # Qwen2.5-7B and Llama-3-8B, then fca.py
+#   bash scripts/gpu_check.sh changed   # what the last session changed (the read floor): fca_floor.py's
+#                                       # tilings, fca.py at Qwen2.5-7B's attention, then fca.py
 #   bash scripts/gpu_check.sh ncu       # Nsight Compute's counters for the FCA kernels (4x16 and 1x16, 64- and
 #                                       # 128-row tiles): ncu-*.txt details, ncu-*-sass.csv stall samples per
 #                                       # instruction; then fca.py
@@ -52,10 +51,8 @@ case "${1:-}" in
     step fca-sweep 300 python3 benchmarks/fca_sweep.py
     ;;
   changed)
-    step other-shapes-tests 150 python3 -m pytest -q -p no:cacheprovider -rs tests/gpu/test_fca_kernel.py \
-      -k other_models --junitxml="$out/other-shapes-tests.xml"
+    step fca-floor 120 python3 benchmarks/fca_floor.py
     step fca-qwen2.5-7b 120 python3 benchmarks/fca.py --skip-e2e --shape qwen2.5-7b
-    step fca-llama-3-8b 120 python3 benchmarks/fca.py --skip-e2e --shape llama-3-8b
     step fca 150 python3 benchmarks/fca.py
     ;;
   ncu)
