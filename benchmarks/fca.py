@@ -11,7 +11,8 @@ Kernel: Qwen2-0.5B's attention shape (14 query heads, 2 KV heads, head dim
 64 requests in 4 groups of 16 that each share an 8K prefix, and 16 requests
 sharing one 8K prefix; every request has a 256-token suffix of its own.
 Baselines measured in the same run: PyTorch SDPA (flash) over each request's
-contiguous KV, and our kernel with no grouping on the same paged KV. Every
+contiguous KV, our kernel with no grouping on the same paged KV, and the read
+floor (``fca_floor.py``: a kernel that only reads the bytes FCA reads). Every
 method runs over 16 layers' worth of separate KV buffers in one CUDA graph,
 so no layer's KV is still in L2 when it is read again, as in a real model.
 

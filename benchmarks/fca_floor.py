@@ -13,6 +13,8 @@ with, measured in the same run.
 
 from __future__ import annotations
 
+import argparse
+
 import torch
 import triton
 import triton.language as tl
@@ -94,6 +96,8 @@ def read_times_us(
         times[chunk, block_n, warps] = graph_us(read)  # its replays end with the last layer's sums
         expected = _fca_bytes_sum(*caches[-1], tables, ranges)
         got = sums.sum().item()
+        # fp32 sums of millions of random values in two orders differ by rounding only; other bytes' sum would miss by
+        # about the sum's own size.
         if abs(got - expected) > 1e-3 * max(1.0, abs(expected)) + 1.0:
             raise RuntimeError(f"the read floor's kernel summed {got}, torch {expected} over the same positions")
     return times
@@ -105,10 +109,9 @@ def read_floor_us(batch: dict, groups: int, per_group: int, prefix: int, suffix:
 
 
 def main() -> None:
-    import argparse
-
     from fca import CASES, SHAPES, graph_us, paged_batch
 
+    # (fca imported here: when fca.py runs as a script and calls read_floor_us, it is __main__, not fca.)
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shape", choices=SHAPES, default="qwen2-0.5b")
     shape = SHAPES[parser.parse_args().shape]
