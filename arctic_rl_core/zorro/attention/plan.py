@@ -73,6 +73,8 @@ class TileShape:
     # Defaults from ``benchmarks/fca_sweep.py`` and ``fca.py`` (Qwen2-0.5B attention shape): 64-row tiles (up to
     # 9 requests of a group each) give one group twice the programs of 128-row ones; on an H100 a decode step of
     # G=16 with an 8K prompt took 1.17 ms instead of 1.275, while 4 groups of 16 lost 2% of attention time.
+    # The plan is not what holds 128 rows back: read with no math, its 4x16 plans take 13.3-14.9 us against 18.6 for
+    # 64-row ones, and the kernel at 64 rows runs as fast as its plan reads (H100; docs/benchmarks.md, 16th session).
     wide_rows: int = 64
     narrow_rows: int = 16
     block_n: int = 64
