@@ -19,6 +19,8 @@ import torch
 import triton
 import triton.language as tl
 
+from arctic_rl_core.zorro.attention.reference import gather_kv
+
 # (chunk, BLOCK_N, warps): the best three of the tilings timed on an H100 at 4x16 (2.0-2.2 TB/s there; ``main`` times
 # them all, docs/benchmarks.md has its output).
 TILINGS = ((512, 128, 4), (256, 128, 4), (512, 64, 4))
@@ -60,15 +62,17 @@ def fca_ranges(groups: int, per_group: int, prefix: int, suffix: int, chunk: int
     return torch.tensor(ranges, dtype=torch.int32, device=device)
 
 
-def _fca_bytes_sum(k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor, ranges: torch.Tensor) -> float:
-    """The sum of every key and value ``ranges`` covers, in torch: what the read kernel's sums must add up to."""
-    block_size = k_cache.shape[1]
-    total = 0.0
-    for row, start, end in ranges.tolist():
-        pos = torch.arange(start, end, device=tables.device)
-        slots = tables[row, pos // block_size].long() * block_size + pos % block_size
-        total += sum(cache.flatten(0, 1)[slots].float().sum().item() for cache in (k_cache, v_cache))
-    return total
+def _fca_bytes_sum(batch: dict, groups: int, per_group: int, prefix: int, suffix: int) -> float:
+    """The sum of every key and value FCA reads in ``batch``'s last layer, in torch: what every tiling's sums must
+    add up to (each chunking covers the same positions)."""
+    k_cache, v_cache = batch["caches"][-1]
+    tables = batch["block_tables"]
+    whole = fca_ranges(groups, per_group, prefix, suffix, prefix + suffix, "cpu").tolist()  # one range per read
+    return sum(
+        gather_kv(cache, tables[row], start, end).float().sum().item()
+        for row, start, end in whole
+        for cache in (k_cache, v_cache)
+    )
 
 
 def read_times_us(
@@ -80,6 +84,7 @@ def read_times_us(
     """
     caches, tables = batch["caches"], batch["block_tables"]
     _, block_size, kv_heads, head_dim = caches[0][0].shape
+    expected = _fca_bytes_sum(batch, groups, per_group, prefix, suffix)
     times = {}
     for chunk, block_n, warps in tilings:
         ranges = fca_ranges(groups, per_group, prefix, suffix, chunk, tables.device)
@@ -94,7 +99,6 @@ def read_times_us(
             )  # fmt: skip
 
         times[chunk, block_n, warps] = graph_us(read)  # its replays end with the last layer's sums
-        expected = _fca_bytes_sum(*caches[-1], tables, ranges)
         got = sums.sum().item()
         # fp32 sums of millions of random values in two orders differ by rounding only; other bytes' sum would miss by
         # about the sum's own size.
