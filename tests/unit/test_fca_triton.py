@@ -96,8 +96,8 @@ def check_decode_plan_balanced_over_lanes_equals_plain_attention():
             lengths.append(838)
         blocks += 192 + 54
     tiles = TileShape(3, wide_rows=32, narrow_rows=4)
-    plan = plan_decode(build_forest(tables, lengths, BS), lengths, tiles, target_items=8, lanes=4)
-    assert sorted((plan.wide_items[:, 4] - plan.wide_items[:, 3]).tolist()) == [192, 384, 384, 576]
+    plan = plan_decode(build_forest(tables, lengths, BS), lengths, tiles, target_items=8, lanes=5)
+    assert sorted((plan.wide_items[:, 4] - plan.wide_items[:, 3]).tolist()) == [64, 320, 384, 384, 384]
     k_cache, v_cache, block_tables, g = _setup(tables, 3)
     q = torch.randn(len(tables), HKV * 3, D, generator=g)
     positions = torch.tensor([n - 1 for n in lengths], dtype=torch.int32)

@@ -218,9 +218,12 @@ def _emit(
     )
 
 
-# An item's fixed cost (reading its plan, queries and first keys; storing its partials) as the lane balancing
-# (``_balanced_pieces``) counts it, in steps of KV_ALIGN positions.
-ITEM_COST = 1
+# A work unit's fixed cost (reading its plan, queries and first keys; storing its partials) as the lane balancing
+# (``_balanced_pieces``) counts it, in steps of KV_ALIGN positions. Measured with per-program timestamps on an H100
+# (4 groups x 16, 8K prefixes): a wide unit took 3.5 us + 0.93 us per 64-key step, a narrow one as long as a wide
+# one of the same steps; the fixed part is about 4 steps. 4 instead of 1 took FCA from 20.2-21.1 to 19.7-19.9 us
+# there and changed no other forest timed by more than noise (docs/benchmarks.md, seventeenth session).
+ITEM_COST = 4
 
 
 def _kernel_order(order: np.ndarray, wide: np.ndarray) -> np.ndarray:
