@@ -78,7 +78,6 @@ class TileShape:
     wide_rows: int = 64
     narrow_rows: int = 16
     block_n: int = 64
-    narrow_block_n: int | None = None  # the narrow tiles' step; None: block_n
     wide_warps: int = 4
     chunk_per_row: int = 4
     stages: int = 2

@@ -306,7 +306,7 @@ def _attend_items(
     QUERY_POS, scale_log2, stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_ot, stride_oh, stride_bt,
     NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, WIDE_M: tl.constexpr, NARROW_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    NARROW_N: tl.constexpr, HAS_WIDE: tl.constexpr, PRECISION: tl.constexpr, USE_PDL: tl.constexpr, EARLY: tl.constexpr,
+    HAS_WIDE: tl.constexpr, PRECISION: tl.constexpr, USE_PDL: tl.constexpr, EARLY: tl.constexpr,
     DECODE: tl.constexpr, NARROW_PREFETCH: tl.constexpr, NARROW_STAGES: tl.constexpr, WIDE_STAGES: tl.constexpr,
     INT32_OFFSETS: tl.constexpr,
 ):  # fmt: skip
@@ -344,7 +344,7 @@ def _attend_items(
                 Q, K_CACHE, V_CACHE, OUT, PART_O, PART_LSE, BLOCK_TABLES,
                 NARROW_ITEMS + (unit // NUM_KV_HEADS) * 6, unit % NUM_KV_HEADS, QUERY_INDEX, QUERY_POS,
                 scale_log2, stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_ot, stride_oh, stride_bt,
-                NUM_HEADS, GROUP, HEAD_DIM, BLOCK_SIZE, NARROW_M, NARROW_N, PRECISION, PREFETCH=NARROW_PREFETCH,
+                NUM_HEADS, GROUP, HEAD_DIM, BLOCK_SIZE, NARROW_M, BLOCK_N, PRECISION, PREFETCH=NARROW_PREFETCH,
                 LOOP_STAGES=NARROW_STAGES,
                 first=first, WAIT=USE_PDL, DECODE=DECODE, MAY_OVERRUN=True, INT32_OFFSETS=INT32_OFFSETS,
             )  # fmt: skip
@@ -508,7 +508,6 @@ def kernel_options(
     options = dict(
         NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, GROUP=tiles.group, HEAD_DIM=head_dim,
         BLOCK_SIZE=block_size, WIDE_M=tiles.wide_rows, NARROW_M=tiles.narrow_rows, BLOCK_N=tiles.block_n,
-        NARROW_N=tiles.narrow_block_n or tiles.block_n,
         HAS_WIDE=wide, PRECISION="ieee" if dtype == torch.float32 else "tf32", USE_PDL=use_pdl,
         EARLY=tiles.early_loads, DECODE=decode, NARROW_PREFETCH=tiles.narrow_prefetch, NARROW_STAGES=tiles.stages,
         WIDE_STAGES=tiles.wide_stages, INT32_OFFSETS=tiles.int32_offsets and cache_fits_int32,
