@@ -26,6 +26,8 @@ logger = logging.getLogger(__name__)
 # Liveness calls (``watch`` blocks for the worker's life, ``info``) run in their own concurrency group,
 # so they never wait behind engine work and never take an engine thread.
 CONTROL = "control"
+# How long a call that failed on one rank waits to learn whether a peer died (see ``Job._peer_died``).
+PEER_DEATH_GRACE_S = 5.0
 
 
 def remote_worker(cls, max_concurrency: int = 1):
@@ -171,9 +173,27 @@ class Job:
                 self.fail(f"a worker died during the call: {_describe(exc)}")
                 raise JobFailedError(f"{self.name} is FAILED: {self.error}") from None
             except RayTaskError as exc:
-                raise _unwrap(exc) from None
+                error = _unwrap(exc)
+                # A rank's collective fails as soon as a peer dies, often before that death is reported: the
+                # death, not the collective's error, is the cause. (The caller's own mistakes answer at once.)
+                if not isinstance(error, ValueError) and await self._peer_died(calls):
+                    raise JobFailedError(f"{self.name} is FAILED: {self.error}") from None
+                raise error from None
         results.cancel()
         raise JobFailedError(f"{self.name} is {self.state.value}: {self.error or 'destroyed during the call'}")
+
+    async def _peer_died(self, calls: list[asyncio.Future]) -> bool:
+        """Whether a worker died around a failed call: the job's watch or a rank's own call reports it (the
+        wait ends when every rank has answered, the job fails, or after ``PEER_DEATH_GRACE_S``)."""
+        failed = asyncio.ensure_future(self._failed.wait())
+        answered = asyncio.ensure_future(asyncio.wait(calls))
+        await asyncio.wait({failed, answered}, timeout=PEER_DEATH_GRACE_S, return_when=asyncio.FIRST_COMPLETED)
+        failed.cancel()
+        answered.cancel()
+        for call in calls:
+            if call.done() and not call.cancelled() and isinstance(call.exception(), RayActorError):
+                self.fail(f"a worker died during the call: {_describe(call.exception())}")
+        return self.state is JobState.FAILED
 
     async def call_all(self, method: str, *args, **kwargs) -> list[Any]:
         return await self.gather([getattr(w, method).remote(*args, **kwargs) for w in self.workers])
