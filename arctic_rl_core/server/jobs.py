@@ -170,7 +170,7 @@ class Job:
             try:
                 return results.result()
             except RayActorError as exc:
-                self.fail(f"a worker died during the call: {_describe(exc)}")
+                self._died_during_call(exc)
                 raise JobFailedError(f"{self.name} is FAILED: {self.error}") from None
             except RayTaskError as exc:
                 error = _unwrap(exc)
@@ -192,8 +192,11 @@ class Job:
         answered.cancel()
         for call in calls:
             if call.done() and not call.cancelled() and isinstance(call.exception(), RayActorError):
-                self.fail(f"a worker died during the call: {_describe(call.exception())}")
+                self._died_during_call(call.exception())
         return self.state is JobState.FAILED
+
+    def _died_during_call(self, exc: RayActorError) -> None:
+        self.fail(f"a worker died during the call: {_describe(exc)}")
 
     async def call_all(self, method: str, *args, **kwargs) -> list[Any]:
         return await self.gather([getattr(w, method).remote(*args, **kwargs) for w in self.workers])

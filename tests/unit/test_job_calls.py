@@ -55,6 +55,14 @@ def device():
         ray.shutdown()
 
 
+@pytest.fixture
+def job(device):
+    """Two fresh ranks; killed afterwards (one may still be sleeping), so none outlives its test in a shared Ray."""
+    job = TwoRanks()
+    yield job
+    job._kill_workers()
+
+
 async def call(job: TwoRanks, first: tuple, second: tuple) -> tuple[BaseException | None, float]:
     """``first`` on rank 0 and ``second`` on rank 1 as one job call: (what it raised, seconds it took)."""
     refs = [getattr(job.workers[rank], name).remote(*args) for rank, (name, *args) in enumerate((first, second))]
@@ -66,16 +74,14 @@ async def call(job: TwoRanks, first: tuple, second: tuple) -> tuple[BaseExceptio
     return None, time.monotonic() - start
 
 
-def test_a_rank_that_fails_before_its_peer_is_reported_dead_fails_the_job(device):
-    job = TwoRanks()
+def test_a_rank_that_fails_before_its_peer_is_reported_dead_fails_the_job(job):
     error, _ = asyncio.run(call(job, ("fail_at_once", "runtime"), ("die_after", 0.5)))
     assert isinstance(error, JobFailedError), error
     assert "training job 7 is FAILED: a worker died during the call" in str(error)
     assert job.state is JobState.FAILED
 
 
-def test_an_error_on_every_rank_with_no_death_is_the_ranks_own_and_the_job_keeps_running(device):
-    job = TwoRanks()
+def test_an_error_on_every_rank_with_no_death_is_the_ranks_own_and_the_job_keeps_running(job):
 
     async def twice():
         return await call(job, ("fail_at_once", "runtime"), ("fail_at_once", "runtime")), await call(
@@ -87,15 +93,13 @@ def test_an_error_on_every_rank_with_no_death_is_the_ranks_own_and_the_job_keeps
     assert job.state is JobState.RUNNING and after is None
 
 
-def test_a_callers_mistake_answers_at_once_even_while_a_peer_is_still_busy(device):
-    job = TwoRanks()
+def test_a_callers_mistake_answers_at_once_even_while_a_peer_is_still_busy(job):
     error, seconds = asyncio.run(call(job, ("fail_at_once", "value"), ("hang", 2 * PEER_DEATH_GRACE_S)))
     assert type(error) is ValueError and seconds < PEER_DEATH_GRACE_S
     assert job.state is JobState.RUNNING
 
 
-def test_an_internal_error_waits_at_most_the_grace_for_a_peer_that_neither_answers_nor_dies(device):
-    job = TwoRanks()
+def test_an_internal_error_waits_at_most_the_grace_for_a_peer_that_neither_answers_nor_dies(job):
     error, seconds = asyncio.run(call(job, ("fail_at_once", "runtime"), ("hang", 3 * PEER_DEATH_GRACE_S)))
     assert type(error) is RuntimeError and PEER_DEATH_GRACE_S * 0.9 < seconds < PEER_DEATH_GRACE_S * 2
     assert job.state is JobState.RUNNING
