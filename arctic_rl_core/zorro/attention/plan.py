@@ -224,8 +224,6 @@ def _emit(
 # one of the same steps; the fixed part is about 4 steps. 4 instead of 1 took FCA from 20.2-21.1 to 19.7-19.9 us
 # there and changed no other forest timed by more than noise (docs/benchmarks.md, seventeenth session).
 ITEM_COST = 4
-NARROW_STEP = 1.0  # PROTOTYPE: a narrow unit's cost per step, in wide steps
-NARROW_FIRST = False  # PROTOTYPE: the kernel runs the narrow items before the wide ones
 
 
 def _kernel_order(order: np.ndarray, wide: np.ndarray) -> np.ndarray:
@@ -258,7 +256,7 @@ def _balanced_pieces(
     """
     tile_of, kv0, kv1, work = pieces
     narrow = order[~wide_tile[tile_of[order]]]
-    narrow_steps = NARROW_STEP * -(-work[narrow] // KV_ALIGN)
+    narrow_steps = -(-work[narrow] // KV_ALIGN)
     wide = np.flatnonzero(wide_tile)
     length = -(-(t.end[wide] - t.start[wide]) // KV_ALIGN)
     least = np.minimum(least[wide], length)
@@ -282,12 +280,8 @@ def _balanced_pieces(
     best = None
     count = lanes  # wide pieces, which decides where the narrow ones run
     for _ in range(3):
-        if NARROW_FIRST:  # wide piece k runs on lane (len(narrow) + k) % lanes
-            narrow_load = np.roll(np.bincount(np.arange(len(narrow)) % lanes, weights=narrow_steps + ITEM_COST,
-                                              minlength=lanes), -(len(narrow) % lanes)).tolist()
-        else:
-            narrow_load = np.bincount((count + np.arange(len(narrow))) % lanes, weights=narrow_steps + ITEM_COST,
-                                      minlength=lanes).tolist()  # fmt: skip
+        narrow_load = np.bincount((count + np.arange(len(narrow))) % lanes, weights=narrow_steps + ITEM_COST,
+                                  minlength=lanes).tolist()  # fmt: skip
         lo, hi = 1, int(ITEM_COST + max(narrow_load) + max(length))
         while lo < hi:
             mid = (lo + hi) // 2
@@ -298,7 +292,7 @@ def _balanced_pieces(
         cut = np.array(fill(lo, narrow_load), dtype=np.int64).reshape(-1, 3)
         starts = t.start[cut[:, 0]] + cut[:, 1] * KV_ALIGN
         ends = np.minimum(starts + cut[:, 2] * KV_ALIGN, t.end[cut[:, 0]])
-        steps = np.concatenate([narrow_steps, cut[:, 2]] if NARROW_FIRST else [cut[:, 2], narrow_steps])
+        steps = np.concatenate([cut[:, 2], narrow_steps])
         cost = _makespan(steps, lanes)
         if best is None or cost < best[0]:
             layout = (
@@ -370,7 +364,7 @@ def plan_decode(
         order = _kernel_order(_longest_first(pieces), wide_tile[pieces[0]])
         if lanes:
             balanced = _balanced_pieces(t, pieces, order, wide_tile, group_floor // KV_ALIGN, lanes)
-            if balanced is not None and (NARROW_FIRST or balanced[0] < _makespan(-(-pieces[3][order] // KV_ALIGN), lanes)):
+            if balanced is not None and balanced[0] < _makespan(-(-pieces[3][order] // KV_ALIGN), lanes):
                 pieces = balanced[1]
                 order = np.arange(len(pieces[0]))  # already in run order
         plan = _emit(t, pieces, order, len(lengths), tiles)

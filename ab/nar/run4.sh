@@ -1,8 +1,0 @@
-source .whl/setup.sh >/dev/null 2>&1
-bash scripts/gpu_check.sh fingerprint
-timeout 300 python3 ab/nar/ab.py 2>&1 | tee $OUT/ab.log | grep -v Warning
-for v in "sm||1|64"; do
-  IFS='|' read VARIANT TILES NARROW_STEP NARROW_N <<< "$v"
-  export VARIANT TILES NARROW_STEP NARROW_N
-  timeout 100 python3 ab/trace/run_trace.py 2>&1 | tee $OUT/trace-$VARIANT-$NARROW_STEP.log | grep -v "late program"
-done
