@@ -15,9 +15,9 @@ contiguous KV (its flash and cuDNN backends, each with the query heads as one
 KV head's rows and as one token per head with ``enable_gqa``; the fastest is
 the baseline, and flash's best is printed too), our kernel with no grouping on
 the same paged KV, and the read floor (``fca_floor.py``: a kernel that only
-reads the bytes FCA reads). Every
-method runs over 16 layers' worth of separate KV buffers in one CUDA graph,
-so no layer's KV is still in L2 when it is read again, as in a real model.
+reads the bytes FCA reads). Every method runs over 16 layers' worth of
+separate KV buffers in one CUDA graph, so no layer's KV is still in L2 when it
+is read again, as in a real model.
 
 End to end: the native engine's rollout time with FCA on vs off, at G=16
 completions of one 8192-token prompt, 512 new tokens each, on a
@@ -151,6 +151,9 @@ def sdpa_variants(q: torch.Tensor, kv: list, scale: float, time_us) -> dict:
             for key in ("sdpa",) + (("sdpa_flash",) if backend_name == "flash" else ()):
                 if key not in best or us < best[key][1]:
                     best[key] = result
+    if "sdpa" not in best:
+        raise RuntimeError(f"no stock SDPA backend ({', '.join(name for name, _ in SDPA_BACKENDS)}) ran decode on "
+                           f"{torch.cuda.get_device_name()}")  # fmt: skip
     return best
 
 
@@ -241,8 +244,9 @@ def kernel_benchmark(tiles: TileShape, shape: AttentionShape = QWEN2_05B) -> Non
         rows = (("sdpa", r["plain_bytes"]), ("sdpa_flash", r["plain_bytes"]), ("plain", r["plain_bytes"]),
                 ("fca_uniform", r["fca_bytes"]), ("fca", r["fca_bytes"]), ("floor", r["fca_bytes"]))  # fmt: skip
         for name, nbytes in rows:
-            what = {"sdpa": "PyTorch SDPA, fastest way, per-request KV", "sdpa_flash": "PyTorch SDPA flash, fastest layout",
-                    "plain": "our kernel, no grouping (paged)", "fca_uniform": "FCA kernel, even chunks (no lanes)",
+            what = {"sdpa": "PyTorch SDPA, fastest way, per-request KV",
+                    "sdpa_flash": "PyTorch SDPA flash, fastest layout", "plain": "our kernel, no grouping (paged)",
+                    "fca_uniform": "FCA kernel, even chunks (no lanes)",
                     "fca": "FCA kernel (grouped prefix + suffix + merge)",
                     "floor": "read floor: FCA's bytes read, no math"}[name]  # fmt: skip
             how = f"  ({r['sdpa_names'][name]})" if name in r["sdpa_names"] else ""
