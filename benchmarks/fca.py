@@ -153,7 +153,7 @@ def sdpa_variants(q: torch.Tensor, kv: list, scale: float, time_us) -> dict:
                     best[key] = result
     if "sdpa" not in best:
         raise RuntimeError(f"no stock SDPA backend ({', '.join(name for name, _ in SDPA_BACKENDS)}) ran decode on "
-                           f"{torch.cuda.get_device_name()}")  # fmt: skip
+                           f"{q.device}")  # fmt: skip
     return best
 
 
