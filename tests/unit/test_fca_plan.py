@@ -15,6 +15,7 @@ from arctic_rl_core.zorro.attention.plan import (
     QUERY_OFFSET,
     TABLE_ROW,
     TileShape,
+    decode_buffer_sizes,
     plan_decode,
     plan_prefill,
 )
@@ -172,3 +173,47 @@ def test_lanes_leave_a_plan_as_it_is_where_they_would_not_shorten_its_longest_la
     for a, b in zip((uniform.wide_items, uniform.narrow_items, uniform.merge_rows),
                     (balanced.wide_items, balanced.narrow_items, balanced.merge_rows)):  # fmt: skip
         np.testing.assert_array_equal(a, b)
+
+
+def _same_plan(a, b):
+    for x, y in zip((a.wide_items, a.narrow_items, a.merge_rows, a.capacity), (b.wide_items, b.narrow_items, b.merge_rows,
+                                                                               b.capacity)):  # fmt: skip
+        np.testing.assert_array_equal(x, y)
+
+
+def test_a_lane_balanced_cut_that_exceeds_the_buffers_gives_way_to_even_chunks_instead_of_failing():
+    # The cut gives every lane a piece of a shared prefix however long the chunks grow: where its partial rows
+    # exceed the buffers, the even chunks that fit are planned (this raised "even unsplit" before).
+    tables, lengths = _groups(4, 16, 1024, 64)
+    forest = build_forest(tables, lengths, BS)
+    uniform = plan_decode(forest, lengths, TileShape(7), target_items=40)
+    balanced = plan_decode(forest, lengths, TileShape(7), target_items=40, lanes=20)
+    assert balanced.num_partial_rows > uniform.num_partial_rows
+    tight = plan_decode(forest, lengths, TileShape(7), target_items=40, max_partial_rows=uniform.num_partial_rows,
+                        lanes=20)  # fmt: skip
+    _same_plan(tight, uniform)
+    for q, reads in enumerate(_coverage(tight, lengths, tables)):
+        assert reads == [(tables[q][pos // BS], pos) for pos in range(lengths[q])]
+
+
+@pytest.mark.parametrize(
+    "group, kv_heads, groups, members, prefix",
+    [
+        (7, 2, 1, 27, 32768),  # Qwen2-0.5B's attention: 27 requests over a 32K prompt
+        (7, 2, 3, 9, 32768),
+        (7, 2, 4, 16, 8192),
+        (4, 8, 1, 16, 8192),  # Llama-3-8B's: G=16 over an 8K prompt
+        (4, 8, 4, 16, 8192),
+    ],
+)
+def test_the_engines_buffers_hold_the_lane_balanced_cut(group, kv_heads, groups, members, prefix):
+    """The native engine sizes its decode buffers with ``decode_buffer_sizes``: there the plan of each batch, on an H100
+    (132 SMs, two programs of the attention kernel per SM), is the one planned without limits. (With the sizes before
+    it, 4 * requests + 4 * target partial rows, all but the 4 x 16 one raised "even unsplit" from the engine's step.)"""
+    target, lanes = 4 * 132 // kv_heads, 2 * 132 // kv_heads  # as the engine and its kernel build count them
+    tables, lengths = _groups(groups, members, prefix, 40)
+    forest = build_forest(tables, lengths, BS)
+    tiles = TileShape(group)
+    unbounded = plan_decode(forest, lengths, tiles, target, lanes=lanes)
+    max_items, max_rows = decode_buffer_sizes(len(lengths), target, tiles)
+    _same_plan(plan_decode(forest, lengths, tiles, target, max_items, max_rows, lanes), unbounded)

@@ -308,6 +308,22 @@ def _balanced_pieces(
     return best
 
 
+def decode_buffer_sizes(max_seqs: int, target_items: int, tiles: TileShape) -> tuple[int, int]:
+    """``plan_decode``'s ``max_items`` and ``max_partial_rows`` for a captured graph's buffers.
+
+    Room for the plans of up to ``max_seqs`` requests split into about
+    ``target_items`` items, and for their lane-balanced cut
+    (``_balanced_pieces``), which gives each of the kernel's lanes one piece of
+    a shared prefix, up to ``tiles.wide_queries`` partial rows each (there are
+    at most ``target_items`` lanes while at most four of the kernel's programs
+    fit on a multiprocessor; ``plan_decode`` plans even chunks where the cut
+    does not fit).
+    """
+    max_items = 2 * max_seqs + 2 * target_items
+    max_partial_rows = 4 * max_seqs + 4 * target_items + target_items * tiles.wide_queries
+    return max_items, max_partial_rows
+
+
 def plan_decode(
     forest: PrefixForest,
     context_lens: Sequence[int],
@@ -325,7 +341,8 @@ def plan_decode(
     planned at its full length, so the plan serves the following decode steps
     too, up to ``capacity``. Given the kernel's ``lanes`` (its programs per KV
     head), the shared prefixes are cut to even out the programs' work instead
-    (``_balanced_pieces``) wherever that shortens the longest lane.
+    (``_balanced_pieces``) wherever that shortens the longest lane and the cut
+    fits the capacities (else the even chunks are planned).
     """
     groups = [
         (members, p.source, p.start, p.end) for p in forest.prefixes for members in _split_members(p.members, tiles)
@@ -362,19 +379,22 @@ def plan_decode(
         room = np.where(suffix, t.start + _round_up(t.end - t.start, chunk), t.end)
         pieces = _pieces(t, chunk, room)
         order = _kernel_order(_longest_first(pieces), wide_tile[pieces[0]])
+        candidates = [(pieces, order)]
         if lanes:
             balanced = _balanced_pieces(t, pieces, order, wide_tile, group_floor // KV_ALIGN, lanes)
             if balanced is not None and balanced[0] < _makespan(-(-pieces[3][order] // KV_ALIGN), lanes):
-                pieces = balanced[1]
-                order = np.arange(len(pieces[0]))  # already in run order
-        plan = _emit(t, pieces, order, len(lengths), tiles)
-        fits = (max_items is None or plan.num_items <= max_items) and (
-            max_partial_rows is None or plan.num_partial_rows <= max_partial_rows
-        )
-        if fits:
-            plan.capacity = lengths.copy()  # a query with no suffix item needs a new plan at its next token
-            plan.capacity[own] = room[suffix]
-            return plan
+                # Already in run order. Its size does not shrink as chunks grow (one piece per lane), so where
+                # it exceeds the capacities the even chunks are taken instead.
+                candidates.insert(0, (balanced[1], np.arange(len(balanced[1][0]))))
+        for pieces, order in candidates:
+            plan = _emit(t, pieces, order, len(lengths), tiles)
+            fits = (max_items is None or plan.num_items <= max_items) and (
+                max_partial_rows is None or plan.num_partial_rows <= max_partial_rows
+            )
+            if fits:
+                plan.capacity = lengths.copy()  # a query with no suffix item needs a new plan at its next token
+                plan.capacity[own] = room[suffix]
+                return plan
         if floor >= longest:
             raise ValueError(
                 f"decode plan needs {plan.num_items} items and {plan.num_partial_rows} partial rows even unsplit; "

@@ -28,7 +28,14 @@ from arctic_rl_core.engines.sampling.native.scheduler import Batch
 from arctic_rl_core.engines.sampling.native.sequence import Sequence
 from arctic_rl_core.engines.sampling.native.weights import load_checkpoint
 from arctic_rl_core.zorro.attention.forest import PrefixForest
-from arctic_rl_core.zorro.attention.plan import ITEM_FIELDS, AttentionPlan, TileShape, plan_decode, plan_prefill
+from arctic_rl_core.zorro.attention.plan import (
+    ITEM_FIELDS,
+    AttentionPlan,
+    TileShape,
+    decode_buffer_sizes,
+    plan_decode,
+    plan_prefill,
+)
 
 
 def graph_batch_sizes(max_num_seqs: int) -> list[int]:
@@ -147,8 +154,7 @@ class ModelRunner:
             sms = torch.cuda.get_device_properties(self.device).multi_processor_count
             self.target_items = max(32, 4 * sms // spec.num_kv_heads)
             max_seqs = config.max_num_seqs
-            max_items = 2 * max_seqs + 2 * self.target_items
-            max_rows = 4 * max_seqs + 4 * self.target_items
+            max_items, max_rows = decode_buffer_sizes(max_seqs, self.target_items, self.tiles)
             self.staging = DecodeStaging(max_seqs, config.max_blocks_per_seq, max_items, max_rows + max_seqs,
                                          max_rows, self.device)  # fmt: skip
             from arctic_rl_core.zorro.attention.triton_attention import Workspace
