@@ -141,6 +141,11 @@ def _groups(groups: int, members: int, prefix: int, suffix: int) -> tuple[list[l
     return tables, lengths
 
 
+def _same_plan(a, b):
+    for field in ("wide_items", "narrow_items", "merge_rows", "capacity"):
+        np.testing.assert_array_equal(getattr(a, field), getattr(b, field))
+
+
 def _longest_lane(plan, lengths, lanes):
     """Steps (plus ``ITEM_COST`` per item) of the busiest lane, as the kernel runs items: lane ``i % lanes`` takes item i."""
     items = np.concatenate([plan.wide_items, plan.narrow_items])
@@ -170,15 +175,7 @@ def test_lanes_leave_a_plan_as_it_is_where_they_would_not_shorten_its_longest_la
     forest = build_forest(tables, lengths, BS)
     uniform = plan_decode(forest, lengths, TileShape(7), target_items=6)
     balanced = plan_decode(forest, lengths, TileShape(7), target_items=6, lanes=3)
-    for a, b in zip((uniform.wide_items, uniform.narrow_items, uniform.merge_rows),
-                    (balanced.wide_items, balanced.narrow_items, balanced.merge_rows)):  # fmt: skip
-        np.testing.assert_array_equal(a, b)
-
-
-def _same_plan(a, b):
-    for x, y in zip((a.wide_items, a.narrow_items, a.merge_rows, a.capacity), (b.wide_items, b.narrow_items, b.merge_rows,
-                                                                               b.capacity)):  # fmt: skip
-        np.testing.assert_array_equal(x, y)
+    _same_plan(balanced, uniform)
 
 
 def test_a_lane_balanced_cut_that_exceeds_the_buffers_gives_way_to_even_chunks_instead_of_failing():
