@@ -214,3 +214,30 @@ def test_the_engines_buffers_hold_the_lane_balanced_cut(group, kv_heads, groups,
     unbounded = plan_decode(forest, lengths, tiles, target, lanes=lanes)
     max_items, max_rows = decode_buffer_sizes(len(lengths), target, tiles)
     _same_plan(plan_decode(forest, lengths, tiles, target, max_items, max_rows, lanes), unbounded)
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_decode_plans_fit_the_engines_buffers_and_read_every_position_once(seed):
+    """Random forests on a small device (so that prefixes span many lanes' pieces), sized as the engine sizes them:
+    every plan fits, balanced or not, and each query reads each of its positions exactly once."""
+    rng = np.random.default_rng(seed)
+    group = int(rng.choice([1, 2, 4, 7, 8]))
+    kv_heads = int(rng.choice([1, 2, 8]))
+    target = max(32, 4 * 16 // kv_heads)  # 16 SMs
+    lanes = max(16 * int(rng.choice([2, 4])) // kv_heads, 1)
+    tables, lengths = [], []
+    for _ in range(int(rng.integers(1, 4))):
+        more, more_lengths = _groups(1, int(rng.integers(1, 24)), int(rng.choice([64, 1024, 4096])), 4)
+        offset = 1 + max((b for t in tables for b in t), default=-1)
+        for table, length in zip(more, more_lengths):
+            own = int(rng.integers(1, 200))
+            prefix = length - 4
+            tables.append([b + offset for b in table[: prefix // BS]] + [offset + 10**6 + len(tables) * 64 + i
+                                                                         for i in range(-(-own // BS))])  # fmt: skip
+            lengths.append(prefix + own)
+    tiles = TileShape(group)
+    max_items, max_rows = decode_buffer_sizes(len(lengths), target, tiles)
+    plan = plan_decode(build_forest(tables, lengths, BS), lengths, tiles, target, max_items, max_rows, lanes)
+    assert plan.num_items <= max_items and plan.num_partial_rows <= max_rows
+    for q, reads in enumerate(_coverage(plan, lengths, tables)):
+        assert reads == [(tables[q][pos // BS], pos) for pos in range(lengths[q])]
