@@ -128,17 +128,23 @@ def test_every_item_starts_at_a_block_so_the_kernel_finds_a_steps_blocks_without
         assert (items[:, KV_START] % min(BS, KV_ALIGN) == 0).all()
 
 
-def _groups(groups: int, members: int, prefix: int, suffix: int) -> tuple[list[list[int]], list[int]]:
-    """Block tables and lengths of ``groups`` prefixes of ``prefix`` positions, each shared by ``members``."""
+def _shared_tables(prefixes) -> tuple[list[list[int]], list[int]]:
+    """Block tables and lengths: for each ``(prefix, suffixes)``, a prefix of that many positions shared by one request
+    per suffix length, each suffix in blocks of its own."""
     tables, lengths, blocks = [], [], 0
-    for _ in range(groups):
+    for prefix, suffixes in prefixes:
         shared = list(range(blocks, blocks + prefix // BS))
         blocks += len(shared)
-        for _ in range(members):
+        for suffix in suffixes:
             tables.append(shared + list(range(blocks, blocks + -(-suffix // BS))))
             blocks += -(-suffix // BS)
             lengths.append(prefix + suffix)
     return tables, lengths
+
+
+def _groups(groups: int, members: int, prefix: int, suffix: int) -> tuple[list[list[int]], list[int]]:
+    """Block tables and lengths of ``groups`` prefixes of ``prefix`` positions, each shared by ``members``."""
+    return _shared_tables([(prefix, [suffix] * members)] * groups)
 
 
 def _same_plan(a, b):
@@ -225,16 +231,10 @@ def test_decode_plans_fit_the_engines_buffers_and_read_every_position_once(seed)
     kv_heads = int(rng.choice([1, 2, 8]))
     target = max(32, 4 * 16 // kv_heads)  # 16 SMs
     lanes = max(16 * int(rng.choice([2, 4])) // kv_heads, 1)
-    tables, lengths = [], []
-    for _ in range(int(rng.integers(1, 4))):
-        more, more_lengths = _groups(1, int(rng.integers(1, 24)), int(rng.choice([64, 1024, 4096])), 4)
-        offset = 1 + max((b for t in tables for b in t), default=-1)
-        for table, length in zip(more, more_lengths):
-            own = int(rng.integers(1, 200))
-            prefix = length - 4
-            tables.append([b + offset for b in table[: prefix // BS]] + [offset + 10**6 + len(tables) * 64 + i
-                                                                         for i in range(-(-own // BS))])  # fmt: skip
-            lengths.append(prefix + own)
+    tables, lengths = _shared_tables(
+        (int(rng.choice([64, 1024, 4096])), rng.integers(1, 200, size=int(rng.integers(1, 24))).tolist())
+        for _ in range(int(rng.integers(1, 4)))
+    )
     tiles = TileShape(group)
     max_items, max_rows = decode_buffer_sizes(len(lengths), target, tiles)
     plan = plan_decode(build_forest(tables, lengths, BS), lengths, tiles, target, max_items, max_rows, lanes)
