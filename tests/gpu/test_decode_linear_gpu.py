@@ -68,3 +68,54 @@ def test_programmatic_dependent_chain_in_a_cuda_graph_equals_sequential_launches
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(out, expected)
+
+
+def test_norms_deferred_into_the_projections_equal_the_unfused_chain_within_rounding():
+    """A decoder's chain with each norm carried by the projections around it (``ops.linear_into_residual``):
+    within bf16 noise of the chain with norm kernels, and in a CUDA graph of programmatic-dependent launches
+    equal to the same kernels launched one after another, bit for bit."""
+    layers = 8
+    weights = [[_weight(*shape, seed=4 * i + j) for j, shape in enumerate((QKV, O_PROJ, GATE_UP, DOWN))]
+               for i in range(layers)]  # fmt: skip
+    norm_weight = torch.rand(896, device="cuda", dtype=torch.bfloat16) + 0.5
+    x0 = torch.randn(16, 896, device="cuda", dtype=torch.bfloat16)
+
+    def unfused(dtype, device):
+        """The layers' ops one by one: float64 on the CPU is the exact reference, bf16 on CUDA its rounding."""
+        x, residual, w = x0.to(device, dtype), None, norm_weight.to(device, dtype)
+        for layer in weights:
+            qkv, o, gate_up, down = (p.to(device, dtype) for p in layer)
+            h, residual = ops.rms_norm(x, w, 1e-6, residual)
+            h, residual = ops.rms_norm(F.linear(F.linear(h, qkv)[:, :896], o), w, 1e-6, residual)
+            x = F.linear(ops.silu_and_mul(F.linear(h, gate_up)), down)
+        return ops.rms_norm(x, w, 1e-6, residual)[0].to("cuda")
+
+    def project(h, weight, pdl, **options):
+        if isinstance(h, ops.DeferredNorm):
+            return decode_linear(h.scaled, weight, pdl=pdl, row_norm=(h.sum_squares, h.eps), **options)
+        return decode_linear(h, weight, pdl=pdl, **options)
+
+    def fused(pdl):
+        h, residual = triton_ops.rms_norm(x0, norm_weight, 1e-6, None)
+        for qkv, o, gate_up, down in weights:
+            q = project(h, qkv, pdl)[:, :896].contiguous()
+            h = ops.DeferredNorm(*project(q, o, pdl, into_residual=(residual, norm_weight)), 1e-6)
+            g = project(h, gate_up, pdl, gated=True)
+            h = ops.DeferredNorm(*project(g, down, pdl, into_residual=(residual, norm_weight)), 1e-6)
+        return ops.apply_norm(h)
+
+    exact, rounded = unfused(torch.float64, "cpu"), unfused(torch.bfloat16, "cuda")
+    expected = fused(pdl=False)
+    assert (expected.double() - exact).abs().max() <= 2 * (rounded.double() - exact).abs().max() + 1e-2
+    if not supports_pdl(torch.device("cuda")):
+        return
+    torch.cuda.synchronize()
+    fused(pdl=True)  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fused(pdl=True)
+    for _ in range(20):
+        out.zero_()
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, expected)

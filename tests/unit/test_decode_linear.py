@@ -50,6 +50,62 @@ def check_split_k_with_uneven_slices_and_ragged_output_tiles():
     torch.testing.assert_close(actual, F.linear(x, weight), rtol=1e-4, atol=1e-4)
 
 
+def check_a_norm_between_projections_needs_no_kernel_of_its_own(split_k: int, gated: bool):
+    """``into_residual`` then ``row_norm``: the second projection of ``rms_norm(residual + first projection)``."""
+    module = _module()
+    g = torch.Generator().manual_seed(11 + split_k + 2 * gated)
+    hidden, k, n, eps = 192, 256, 48, 1e-6  # 192 columns over 16-wide tiles: 12 parts, padded to 16 by the reader
+    first, bias = torch.randn(hidden, k, generator=g) * 0.1, torch.randn(hidden, generator=g)
+    second = torch.randn(2 * n if gated else n, hidden, generator=g)
+    second_bias = None if gated else torch.randn(n, generator=g)
+    norm_weight = torch.rand(hidden, generator=g) + 0.5
+    tiles = LinearTiles(block_n=16, block_k=64, split_k=split_k)
+    for rows in (1, 5, 16):
+        x, residual = torch.randn(rows, k, generator=g), torch.randn(rows, hidden, generator=g)
+        normed, stream = ops.rms_norm(F.linear(x, first, bias), norm_weight, eps, residual.clone())
+        scaled, sum_squares = module.decode_linear(x, first, bias, tiles=tiles, into_residual=(residual, norm_weight))
+        torch.testing.assert_close(residual, stream, rtol=1e-5, atol=1e-5)  # updated in place
+        deferred = ops.DeferredNorm(scaled, sum_squares, eps)
+        torch.testing.assert_close(ops.apply_norm(deferred), normed, rtol=1e-4, atol=1e-4)
+        actual = module.decode_linear(scaled, second, second_bias, gated=gated, tiles=tiles,
+                                      row_norm=(sum_squares, eps))  # fmt: skip
+        expected = _expected(normed, second, second_bias, gated)
+        torch.testing.assert_close(actual, expected, rtol=1e-4, atol=1e-4)
+
+
+def check_the_scale_rows_kernel_equals_apply_norm_in_torch():
+    kernels = importlib.import_module("arctic_rl_core.engines.sampling.native.triton_ops")
+    g = torch.Generator().manual_seed(5)
+    scaled, sum_squares = torch.randn(5, 80, generator=g), torch.rand(5, 16, generator=g) * 80
+    expected = ops.apply_norm(ops.DeferredNorm(scaled, sum_squares, 1e-6))
+    torch.testing.assert_close(kernels.scale_rows(scaled, sum_squares, 1e-6), expected, rtol=1e-6, atol=1e-6)
+
+
+def check_rotary_finishes_a_qkv_projection_as_rotary_and_store(qk_norm: bool, split_k: int):
+    """``rotary``: the queries, and the keys and values in their cache slots, as ``ops.rotary_and_store`` leaves
+    them after ``F.linear`` (a negative slot, graph padding, is not written)."""
+    module = _module()
+    g = torch.Generator().manual_seed(21 + qk_norm + split_k)
+    heads, kv_heads, dim, k = 4, 2, 16, 128
+    weight = torch.randn((heads + 2 * kv_heads) * dim, k, generator=g) * 0.1
+    bias = torch.randn(weight.shape[0], generator=g)
+    x = torch.randn(5, k, generator=g)
+    positions, slots = torch.tensor([0, 3, 5, 7, 2]), torch.tensor([3, -1, 7, 8, 15])
+    freqs = torch.arange(16).float()[:, None] / (10000 ** (torch.arange(0, dim, 2).float() / dim))
+    norms = (torch.rand(dim, generator=g) + 0.5, torch.rand(dim, generator=g) + 0.5) if qk_norm else (None, None)
+    caches = [torch.zeros(4, 4, kv_heads, dim) for _ in range(4)]
+    expected = ops.rotary_and_store(F.linear(x, weight, bias), positions, freqs.cos(), freqs.sin(), *norms, 1e-6,
+                                    caches[0], caches[1], slots, heads, kv_heads)  # fmt: skip
+    store = module.RotaryStore(positions, freqs.cos(), freqs.sin(), *norms, 1e-6, caches[2], caches[3], slots, heads,
+                               kv_heads)  # fmt: skip
+    tiles = LinearTiles(block_n=dim, block_k=64, split_k=split_k)
+    actual = module.decode_linear(x, weight, bias, tiles=tiles, rotary=store)
+    torch.testing.assert_close(actual, expected, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(caches[2], caches[0], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(caches[3], caches[1], rtol=1e-4, atol=1e-4)
+    assert caches[2].flatten(0, 1)[[0, 1, 2, 4]].abs().sum() == 0  # only slots 3, 7, 8 and 15 are written
+
+
 CHECKS = {
     "plain": (check_equals_f_linear, (False, 1, False)),
     "bias": (check_equals_f_linear, (False, 1, True)),
@@ -57,6 +113,12 @@ CHECKS = {
     "gated": (check_equals_f_linear, (True, 1, False)),
     "gated_split_k": (check_equals_f_linear, (True, 2, False)),
     "uneven_split": (check_split_k_with_uneven_slices_and_ragged_output_tiles, ()),
+    "norm_between": (check_a_norm_between_projections_needs_no_kernel_of_its_own, (1, False)),
+    "norm_between_split_k": (check_a_norm_between_projections_needs_no_kernel_of_its_own, (2, False)),
+    "norm_between_gated": (check_a_norm_between_projections_needs_no_kernel_of_its_own, (2, True)),
+    "scale_rows": (check_the_scale_rows_kernel_equals_apply_norm_in_torch, ()),
+    "rotary": (check_rotary_finishes_a_qkv_projection_as_rotary_and_store, (False, 1)),
+    "rotary_qk_norm_split_k": (check_rotary_finishes_a_qkv_projection_as_rotary_and_store, (True, 2)),
 }
 
 
@@ -112,6 +174,11 @@ def test_cpu_and_float32_calls_go_to_torch():
     x, weight, bias = torch.randn(4, 128, generator=g), torch.randn(64, 128, generator=g), torch.randn(64, generator=g)
     assert torch.equal(ops.linear(x, weight, bias), F.linear(x, weight, bias))
     assert torch.equal(ops.gated_linear(x, weight), ops.silu_and_mul(F.linear(x, weight)))
+    # A block's last projection: the residual add and the norm after it, as the unfused layers compute them.
+    residual, norm_weight = torch.randn(4, 64, generator=g), torch.rand(64, generator=g)
+    expected = ops.rms_norm(F.linear(x, weight, bias), norm_weight, 1e-6, residual)
+    actual = ops.linear_into_residual(x, weight, bias, residual, norm_weight, 1e-6)
+    assert all(torch.equal(a, e) for a, e in zip(actual, expected))
 
 
 if __name__ == "__main__":

@@ -14,6 +14,18 @@ K-slices in a fixed order, so results do not depend on timing.
 directly (gate rows ``[0, n)``, up rows ``[n, 2n)`` of the weight), so the
 intermediate activation never goes to memory at twice its size.
 
+The work between a layer's projections happens in their epilogues, so a
+layer is four projection launches around its attention. An RMS norm is
+linear in each row up to one scale: the projection before it adds into the
+residual stream and hands on ``stream * norm weight`` with each row's sum of
+squares (``into_residual``); the projection after it scales each output row
+by ``1 / rms`` (``row_norm``). ``rotary`` rotates each query and key head of
+a q/k/v projection as it finishes it and writes keys and values to the cache.
+On an H100 this took a Qwen2-0.5B decode step at G=16 over an 8K prompt
+from 1.13 to 1.01 ms (``benchmarks/fca.py``, FCA on), and the B=64 step's
+graph from 1.21 to 1.10 ms (``benchmarks/sampling.py``), each against the
+unfused code in the same call.
+
 Most of the gain comes from ``pdl=True`` (Hopper on): launched as a
 programmatic dependent of the kernel before it, a program asks L2 for its
 first weights while that kernel finishes, and waits for it only before
@@ -26,6 +38,7 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import triton
@@ -52,21 +65,24 @@ class LinearTiles:
     stages: int = 4
 
 
-def pick_tiles(rows: int, n: int, k: int, num_sms: int, gated: bool = False) -> LinearTiles | None:
+def pick_tiles(
+    rows: int, n: int, k: int, num_sms: int, gated: bool = False, block_n: int | None = None
+) -> LinearTiles | None:
     """Tiles for an ``n × k`` weight at ``rows`` rows, or None where cuBLAS is the better choice.
 
     From ``benchmarks/decode_linear.py --sweep`` on an H200: 64-row weight
     tiles, K split only while the grid is short of one wave and each split
     keeps at least four 128-column steps (a long K, as in the down
     projection); as many pipeline stages as fit in shared memory, up to four.
-    Batches of 17-64 rows keep cuBLAS for weights over 20 MB.
+    Batches of 17-64 rows keep cuBLAS for weights over 20 MB. ``block_n``
+    asks for tiles of that many output columns (one head, for ``rotary``).
     """
-    if rows > MAX_ROWS or k % 64 or n % 16:
+    if rows > MAX_ROWS or k % 64 or n % (block_n or 16):
         return None
     if rows > 16 and (2 if gated else 1) * n * k * 2 > TALL_BATCH_MAX_WEIGHT_BYTES:
         return None
     block_k = 128 if k % 128 == 0 else 64
-    block_n = 64 if n % 64 == 0 else 16
+    block_n = block_n or (64 if n % 64 == 0 else 16)
     tiles_n = triton.cdiv(n, block_n)
     steps = k // block_k
     split_k = 1
@@ -99,15 +115,74 @@ def _prefetch_to_l2(W, col, k_lo, k_hi, stride_w, BLOCK_N: tl.constexpr, LINES: 
 
 
 @triton.jit
+def _norm_rope_columns(x1, x2, W, cos, sin, eps, HAS_NORM: tl.constexpr, HALF: tl.constexpr):
+    """``triton_ops._norm_rope`` for a tile of heads: ``x1``, ``x2`` are the halves ``[HALF, tokens]``."""
+    if HAS_NORM:
+        dtype = W.dtype.element_ty
+        inv_rms = tl.rsqrt((tl.sum(x1 * x1, axis=0) + tl.sum(x2 * x2, axis=0)) / (2 * HALF) + eps)[None, :]
+        half = tl.arange(0, HALF)
+        w1 = tl.load(W + half).to(tl.float32)[:, None]
+        w2 = tl.load(W + HALF + half).to(tl.float32)[:, None]
+        x1 = (w1 * (x1 * inv_rms).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
+        x2 = (w2 * (x2 * inv_rms).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
+    return x1 * cos - x2 * sin, x2 * cos + x1 * sin
+
+
+@triton.jit
+def _rotary_store(
+    out, head, token, token_ok, POS, COS, SIN, Q_NORM, K_NORM, Q_OUT, K_CACHE, V_CACHE, SLOTS,
+    stride_cos, stride_qt, stride_qh, stride_ks, stride_kh, eps,
+    NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, QK_NORM: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+):  # fmt: skip
+    """One head's q/k/v output ``[HEAD_DIM, tokens]``: a query head rotated into ``Q_OUT``, a key head
+    rotated and a value head as is into their cache slots (none for a negative slot), as
+    ``triton_ops._rotary_store_kernel`` does from the projection's output in memory."""
+    HALF: tl.constexpr = HEAD_DIM // 2
+    x1, x2 = tl.split(tl.permute(tl.reshape(out.to(tl.float32), [2, HALF, BLOCK_M]), [1, 2, 0]))
+    half = tl.arange(0, HALF)[:, None]
+    dtype = Q_OUT.dtype.element_ty
+    if head < NUM_HEADS + NUM_KV_HEADS:
+        pos = tl.load(POS + token).to(tl.int64)[None, :]
+        cos = tl.load(COS + pos * stride_cos + half)
+        sin = tl.load(SIN + pos * stride_cos + half)
+        if head < NUM_HEADS:
+            x1, x2 = _norm_rope_columns(x1, x2, Q_NORM, cos, sin, eps, QK_NORM, HALF)
+        else:
+            x1, x2 = _norm_rope_columns(x1, x2, K_NORM, cos, sin, eps, QK_NORM, HALF)
+    if head < NUM_HEADS:
+        dst = Q_OUT + token[None, :].to(tl.int64) * stride_qt + head * stride_qh + half
+        tl.store(dst, x1.to(dtype), mask=token_ok[None, :])
+        tl.store(dst + HALF, x2.to(dtype), mask=token_ok[None, :])
+    else:
+        slot = tl.load(SLOTS + token).to(tl.int64)[None, :]
+        write = token_ok[None, :] & (slot >= 0)
+        if head < NUM_HEADS + NUM_KV_HEADS:
+            dst = K_CACHE + slot * stride_ks + (head - NUM_HEADS) * stride_kh + half
+        else:
+            dst = V_CACHE + slot * stride_ks + (head - NUM_HEADS - NUM_KV_HEADS) * stride_kh + half
+        tl.store(dst, x1.to(dtype), mask=write)
+        tl.store(dst + HALF, x2.to(dtype), mask=write)
+
+
+@triton.jit
 def _decode_linear_kernel(
-    X, W, BIAS, Y, PARTIAL, COUNTERS, rows, n, k_per_split, K, prefetch_k, stride_x, stride_w, stride_y,
+    X, W, BIAS, Y, PARTIAL, COUNTERS, SUM_SQUARES, RESIDUAL, NORM_WEIGHT, SUM_SQUARES_OUT,
+    POS, COS, SIN, Q_NORM, K_NORM, K_CACHE, V_CACHE, SLOTS,
+    rows, n, k_per_split, K, prefetch_k, stride_x, stride_w, stride_y, stride_r, parts, eps,
+    stride_cos, stride_qh, stride_ks, stride_kh, qk_eps,
     HAS_BIAS: tl.constexpr, GATED: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, USE_PDL: tl.constexpr,
+    SCALE_ROWS: tl.constexpr, PARTS: tl.constexpr, INTO_RESIDUAL: tl.constexpr,
+    ROTARY: tl.constexpr, NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, QK_NORM: tl.constexpr,
 ):  # fmt: skip
     """One ``[BLOCK_N, rows]`` output tile over one K-slice; with ``SPLIT_K > 1`` the tile's last slice finishes it.
 
     Rows past ``rows`` read row 0 (in bounds, never stored); weight rows past
-    ``n`` read row 0 of the weight likewise.
+    ``n`` read row 0 of the weight likewise. ``SCALE_ROWS`` and
+    ``INTO_RESIDUAL`` are the two halves of an RMS norm between projections
+    (``decode_linear``'s ``row_norm`` and ``into_residual``); ``ROTARY``
+    finishes a q/k/v projection as ``ops.rotary_and_store`` would (``rotary``).
     """
     tile = tl.program_id(0)
     split = tl.program_id(1)
@@ -159,6 +234,16 @@ def _decode_linear_kernel(
 
     if finish:
         dtype = Y.dtype.element_ty
+        if SCALE_ROWS:
+            # x was ``stream * norm weight``: each output row takes its 1 / rms here, from the stream's sums of
+            # squares that the projection before left in ``parts`` column tiles.
+            part = tl.arange(0, PARTS)
+            squares = tl.load(SUM_SQUARES + part[:, None] * BLOCK_M + row[None, :], mask=(part < parts)[:, None],
+                              other=0.0)  # fmt: skip
+            inv_rms = tl.rsqrt(tl.sum(squares, axis=0) / K + eps)
+            acc *= inv_rms[None, :]
+            if GATED:
+                up *= inv_rms[None, :]
         if HAS_BIAS:
             acc += tl.load(BIAS + w_col).to(tl.float32)[:, None]
         # Round where the unfused layers round: the projection's output, then the activation.
@@ -167,7 +252,38 @@ def _decode_linear_kernel(
             gate = out.to(tl.float32)
             act = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
             out = (act * up.to(dtype).to(tl.float32)).to(dtype)
-        tl.store(Y + row[None, :] * stride_y + col[:, None], out, mask=row_ok[None, :] & col_ok[:, None])
+        in_bounds = row_ok[None, :] & col_ok[:, None]
+        if INTO_RESIDUAL:
+            # The residual stream takes our output (in place; this tile's columns are ours alone), and the
+            # next projection gets ``stream * norm weight`` with this tile's share of each row's sum of squares.
+            res = RESIDUAL + row[None, :] * stride_r + col[:, None]
+            stream = (out.to(tl.float32) + tl.load(res, mask=in_bounds, other=0.0).to(tl.float32)).to(dtype)
+            tl.store(res, stream, mask=in_bounds)
+            streamf = tl.where(in_bounds, stream.to(tl.float32), 0.0)
+            tl.store(SUM_SQUARES_OUT + tile * BLOCK_M + row, tl.sum(streamf * streamf, axis=0))
+            out = (streamf * tl.load(NORM_WEIGHT + w_col).to(tl.float32)[:, None]).to(dtype)
+        if ROTARY:
+            _rotary_store(out, tile, x_row, row_ok, POS, COS, SIN, Q_NORM, K_NORM, Y, K_CACHE, V_CACHE, SLOTS,
+                          stride_cos, stride_y, stride_qh, stride_ks, stride_kh, qk_eps,
+                          NUM_HEADS, NUM_KV_HEADS, BLOCK_N, QK_NORM, BLOCK_M)  # fmt: skip
+        else:
+            tl.store(Y + row[None, :] * stride_y + col[:, None], out, mask=in_bounds)
+
+
+class RotaryStore(NamedTuple):
+    """What ``ops.rotary_and_store`` takes besides a q/k/v projection's output (``decode_linear``'s ``rotary``)."""
+
+    positions: torch.Tensor
+    cos: torch.Tensor
+    sin: torch.Tensor
+    q_norm: torch.Tensor | None
+    k_norm: torch.Tensor | None
+    eps: float
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    slots: torch.Tensor
+    num_heads: int
+    num_kv_heads: int
 
 
 _COUNTERS: dict[tuple[torch.device, int], torch.Tensor] = {}
@@ -203,17 +319,34 @@ def decode_linear(
     gated: bool = False,
     tiles: LinearTiles | None = None,
     pdl: bool = False,
-) -> torch.Tensor:
+    *,
+    row_norm: tuple[torch.Tensor, float] | None = None,
+    into_residual: tuple[torch.Tensor, torch.Tensor] | None = None,
+    rotary: RotaryStore | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """``x @ weight.T + bias`` (or, ``gated``, ``silu(gate) * up`` of it) for ``x`` of at most ``MAX_ROWS`` rows.
 
     ``tiles`` defaults to ``pick_tiles`` for the shape; a shape it declines raises. ``pdl`` launches the
     kernel as a programmatic dependent of the one before (Hopper on): it prefetches its weights while
     that kernel finishes.
+
+    An RMS norm between two projections needs no launch of its own:
+
+    - ``into_residual=(residual, norm_weight)`` adds the output into ``residual`` (in place) and returns
+      ``(residual * norm_weight, sum_squares)``: the sums of squares of ``residual``'s rows, one float32
+      row ``[block_m]`` per output tile.
+    - ``row_norm=(sum_squares, eps)`` takes that pair's first half as ``x`` and scales each output row by
+      ``1 / rms`` before the bias and the activation: together, the projection of ``rms_norm(residual)``.
+
+    ``rotary`` finishes a q/k/v projection as ``ops.rotary_and_store`` would, with no launch of its own: it
+    returns the rotated queries ``[rows, num_heads, head_dim]`` and writes keys and values to their cache
+    slots. Its tiles are one head wide.
     """
     rows, k = x.shape
     n = weight.shape[0] // 2 if gated else weight.shape[0]
     if tiles is None:
-        tiles = pick_tiles(rows, n, k, num_sms(x.device) if x.is_cuda else 132, gated)
+        head_tiles = rotary.k_cache.shape[-1] if rotary is not None else None
+        tiles = pick_tiles(rows, n, k, num_sms(x.device) if x.is_cuda else 132, gated, block_n=head_tiles)
         if tiles is None:
             raise ValueError(f"decode_linear has no tiles for {rows} rows of a {n}x{k} weight; use F.linear")
     if x.stride(1) != 1 or weight.stride(1) != 1:
@@ -224,6 +357,9 @@ def decode_linear(
     k_per_split = triton.cdiv(steps, tiles.split_k) * tiles.block_k
     split_k = triton.cdiv(k, k_per_split)  # no empty slices
     y = torch.empty(rows, n, dtype=x.dtype, device=x.device)
+    rotary_args = _rotary_arguments(rotary, y, n, tiles, gated or into_residual is not None)
+    if rotary is not None:
+        y = rotary_args[0]
     weight_rows = tiles_n * split_k * tiles.block_n * (2 if gated else 1)
     prefetch_k = min(k_per_split, PREFETCH_BYTES // (weight_rows * weight.element_size()) // 64 * 64)
     if split_k > 1:
@@ -231,11 +367,48 @@ def decode_linear(
         counters = _counters(x.device, tiles_n)
     else:
         partial = counters = y
+    sum_squares, eps = row_norm if row_norm is not None else (y, 0.0)
+    parts = sum_squares.shape[0] if row_norm is not None else 1
+    if row_norm is not None and sum_squares.shape[1] != block_m:
+        raise ValueError(
+            f"row_norm: sum_squares has rows of {sum_squares.shape[1]}; expected {block_m} for {rows} rows"
+        )
+    residual, norm_weight = into_residual if into_residual is not None else (y, y)
+    if into_residual is not None and gated:
+        raise ValueError("into_residual needs a plain projection; gated=True has two outputs per column")
+    if into_residual is not None and (residual.shape != y.shape or norm_weight.shape != (n,)):
+        raise ValueError(f"into_residual: expected a residual of {tuple(y.shape)} and a norm weight of ({n},); "
+                         f"got {tuple(residual.shape)} and {tuple(norm_weight.shape)}")  # fmt: skip
+    sum_squares_out = y
+    if into_residual is not None:
+        sum_squares_out = torch.empty(tiles_n, block_m, dtype=torch.float32, device=x.device)
     _decode_linear_kernel[(tiles_n, split_k)](
-        x, weight, bias if bias is not None else weight, y, partial, counters, rows, n, k_per_split, k, prefetch_k,
-        x.stride(0), weight.stride(0), y.stride(0),
+        x, weight, bias if bias is not None else weight, y, partial, counters, sum_squares, residual, norm_weight,
+        sum_squares_out, *rotary_args[1:9], rows, n, k_per_split, k, prefetch_k, x.stride(0), weight.stride(0),
+        y.stride(0), residual.stride(0), parts, eps, rotary_args[9], y.stride(1), *rotary_args[10:],
         HAS_BIAS=bias is not None, GATED=gated, SPLIT_K=split_k, BLOCK_M=block_m, BLOCK_N=tiles.block_n,
         BLOCK_K=tiles.block_k, PRECISION="ieee" if x.dtype == torch.float32 else "tf32", USE_PDL=pdl,
+        SCALE_ROWS=row_norm is not None, PARTS=triton.next_power_of_2(parts),
+        INTO_RESIDUAL=into_residual is not None, ROTARY=rotary is not None,
+        NUM_HEADS=rotary.num_heads if rotary else 0, NUM_KV_HEADS=rotary.num_kv_heads if rotary else 0,
+        QK_NORM=rotary is not None and rotary.q_norm is not None,
         num_warps=tiles.warps, num_stages=tiles.stages, **({"launch_pdl": True} if pdl else {}),
     )  # fmt: skip
-    return y
+    return (y, sum_squares_out) if into_residual is not None else y
+
+
+def _rotary_arguments(rotary: RotaryStore | None, y: torch.Tensor, n: int, tiles: LinearTiles, other_epilogue: bool):
+    """The kernel's rotary arguments after ``Y``: (queries out, positions, cos, sin, q_norm, k_norm, k cache,
+    v cache, slots, cos stride, cache slot stride, cache head stride, eps); placeholders without ``rotary``."""
+    if rotary is None:
+        return (y, y, y, y, y, y, y, y, y, 0, 0, 0, 0.0)
+    heads, kv_heads, head_dim = rotary.num_heads, rotary.num_kv_heads, rotary.k_cache.shape[-1]
+    if other_epilogue or n != (heads + 2 * kv_heads) * head_dim or tiles.block_n != head_dim:
+        raise ValueError(f"rotary: expected a plain q/k/v projection of {(heads + 2 * kv_heads) * head_dim} outputs "
+                         f"in tiles of one head ({head_dim}); got {n} outputs in tiles of {tiles.block_n}")  # fmt: skip
+    q = torch.empty(y.shape[0], heads, head_dim, dtype=y.dtype, device=y.device)
+    q_norm = rotary.q_norm if rotary.q_norm is not None else q
+    k_norm = rotary.k_norm if rotary.k_norm is not None else q
+    cache = rotary.k_cache
+    return (q, rotary.positions, rotary.cos, rotary.sin, q_norm, k_norm, cache, rotary.v_cache, rotary.slots,
+            rotary.cos.stride(0), cache.stride(1), cache.stride(2), rotary.eps)  # fmt: skip

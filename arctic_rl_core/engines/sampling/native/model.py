@@ -4,7 +4,10 @@ The q, k and v projections are one matrix (one GEMM), as are gate and up;
 norms, rotary embedding with the KV-cache write, and the gated activation are
 fused kernels on CUDA (``ops``). Decode batches of a half-precision model
 run their projections as ``decode_linear`` kernels (the gated activation
-inside the gate/up one), each launched while the kernel before it finishes.
+inside the gate/up one), each launched while the kernel before it finishes;
+there the norms between projections run inside them (``o_proj`` and
+``down_proj`` add into the residual stream and start the next norm, the
+projection after it finishes it), so a layer has no norm launch.
 ``weights`` maps Hugging Face parameter names onto this layout.
 """
 
@@ -134,17 +137,17 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps, dtype, device) if spec.qk_norm else None
         self.scale = spec.head_dim**-0.5
 
-    def forward(self, x, positions, cos, sin, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, x: ops.Normed, positions, cos, sin, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
+        """The heads' outputs ``[tokens, q_size]``, before ``o_proj``: the layer applies it, adding into the
+        residual stream in the same kernel."""
         spec = self.spec
-        qkv = ops.linear(x, self.qkv_proj.weight, self.qkv_proj.bias)
-        q = ops.rotary_and_store(
-            qkv, positions, cos, sin,
+        q = ops.qkv_rotary_and_store(
+            x, self.qkv_proj.weight, self.qkv_proj.bias, positions, cos, sin,
             self.q_norm.weight if self.q_norm is not None else None,
             self.k_norm.weight if self.k_norm is not None else None,
             spec.rms_norm_eps, k_cache, v_cache, meta.slot_mapping, spec.num_heads, spec.num_kv_heads,
         )  # fmt: skip
-        out = attend(q, k_cache, v_cache, meta, self.scale)
-        return ops.linear(out.flatten(1), self.o_proj.weight, self.o_proj.bias)
+        return attend(q, k_cache, v_cache, meta, self.scale).flatten(1)
 
 
 class MLP(nn.Module):
@@ -153,9 +156,6 @@ class MLP(nn.Module):
         self.gate_up_proj = nn.Linear(spec.hidden_size, 2 * spec.intermediate_size, bias=False,
                                       dtype=dtype, device=device)  # fmt: skip
         self.down_proj = nn.Linear(spec.intermediate_size, spec.hidden_size, bias=False, dtype=dtype, device=device)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return ops.linear(ops.gated_linear(x, self.gate_up_proj.weight), self.down_proj.weight)
 
 
 class DecoderLayer(nn.Module):
@@ -166,13 +166,21 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype, device)
         self.mlp = MLP(spec, dtype, device)
 
-    def forward(self, x, residual, positions, cos, sin, k_cache, v_cache, meta):
-        norm = self.input_layernorm
-        h, residual = ops.rms_norm(x, norm.weight, norm.eps, residual)
-        h = self.self_attn(h, positions, cos, sin, k_cache, v_cache, meta)
+    def forward(self, h: ops.Normed, residual, positions, cos, sin, k_cache, v_cache, meta, next_norm: RMSNorm):
+        """``h`` is this layer's input, already through ``input_layernorm``; returns the residual stream and
+        ``next_norm`` of it, the next layer's input (or the model's final norm).
+
+        Each block's last projection adds into the residual stream and hands the norm after it to the next
+        projection (``ops.linear_into_residual``), so on the fused decode path no norm needs a launch.
+        """
+        attn = self.self_attn
+        out = attn(h, positions, cos, sin, k_cache, v_cache, meta)
         norm = self.post_attention_layernorm
-        h, residual = ops.rms_norm(h, norm.weight, norm.eps, residual)
-        return self.mlp(h), residual
+        h, residual = ops.linear_into_residual(out, attn.o_proj.weight, attn.o_proj.bias, residual, norm.weight,
+                                               norm.eps)  # fmt: skip
+        mlp = self.mlp
+        out = ops.gated_linear(h, mlp.gate_up_proj.weight)
+        return ops.linear_into_residual(out, mlp.down_proj.weight, None, residual, next_norm.weight, next_norm.eps)
 
 
 class CausalLM(nn.Module):
@@ -205,12 +213,13 @@ class CausalLM(nn.Module):
 
         ``kv_cache`` is ``[layers, 2, blocks, block_size, kv_heads, head_dim]``.
         """
-        x = F.embedding(input_ids, self.embed_tokens.weight)
-        residual = None
-        for i, layer in enumerate(self.layers):
-            x, residual = layer(x, residual, positions, self.rope_cos, self.rope_sin, kv_cache[i, 0], kv_cache[i, 1],
-                                meta)  # fmt: skip
-        return ops.rms_norm(x, self.norm.weight, self.norm.eps, residual)[0]
+        first = self.layers[0].input_layernorm
+        h, residual = ops.rms_norm(F.embedding(input_ids, self.embed_tokens.weight), first.weight, first.eps)
+        norms_after = [layer.input_layernorm for layer in self.layers[1:]] + [self.norm]
+        for i, (layer, next_norm) in enumerate(zip(self.layers, norms_after)):
+            h, residual = layer(h, residual, positions, self.rope_cos, self.rope_sin, kv_cache[i, 0], kv_cache[i, 1],
+                                meta, next_norm)  # fmt: skip
+        return ops.apply_norm(h)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return F.linear(hidden, self.lm_head.weight)

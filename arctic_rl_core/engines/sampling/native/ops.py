@@ -3,7 +3,9 @@
 Each function computes the same thing on either device; the torch versions
 round where Hugging Face's layers round, so CPU outputs match HF in float32.
 On CUDA the fused kernels cut a decode step's launches from about thirty per
-layer to about ten.
+layer to six: the four projections (``decode_linear``, which also run the
+norms between them, the rotary embedding with the KV-cache write and the
+gated activation), attention and its merge.
 """
 
 from __future__ import annotations
@@ -16,41 +18,132 @@ import torch.nn.functional as F
 MASK32 = 0xFFFFFFFF
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+class DeferredNorm(NamedTuple):
+    """``rms_norm(stream) * weight`` as a fused decode projection hands it on: not yet divided by the rms.
+
+    ``scaled`` is ``stream * weight`` in the model's dtype, and ``sum_squares`` the stream's sums of squares
+    per row, one float32 row ``[parts, block_m]`` per column tile of the projection that wrote it. The
+    projection that reads it scales its output rows by ``1 / rms`` instead (``decode_linear``'s ``row_norm``),
+    so no kernel runs between the two; ``apply_norm`` materialises it for any other reader. Its products
+    round once where Hugging Face's norm rounds twice (normalised, then weighted): a bf16 difference.
+    float32 models never take this path, so their outputs still match Hugging Face's.
+    """
+
+    scaled: torch.Tensor
+    sum_squares: torch.Tensor
+    eps: float
+
+
+Normed = torch.Tensor | DeferredNorm  # a norm's output, materialised or deferred
+
+
+def linear(x: Normed, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ weight.T + bias``: on CUDA, decode batches of a half-precision model take ``decode_linear``."""
     tiles = _decode_tiles(x, weight.shape[0])
     if tiles is None:
-        return F.linear(x, weight, bias)
+        return F.linear(apply_norm(x), weight, bias)
     return _decode_linear(x, weight, bias, tiles=tiles)
 
 
-def gated_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+def gated_linear(x: Normed, weight: torch.Tensor) -> torch.Tensor:
     """``silu(gate) * up`` of the fused gate/up projection ``x @ weight.T`` (gate rows first), in one kernel on CUDA."""
     tiles = _decode_tiles(x, weight.shape[0] // 2, gated=True)
     if tiles is None:
-        return silu_and_mul(F.linear(x, weight))
+        return silu_and_mul(F.linear(apply_norm(x), weight))
     return _decode_linear(x, weight, gated=True, tiles=tiles)
 
 
-def _decode_linear(x: torch.Tensor, weight: torch.Tensor, bias=None, **options) -> torch.Tensor:
+def linear_into_residual(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    residual: torch.Tensor,
+    norm_weight: torch.Tensor,
+    eps: float,
+) -> tuple[Normed, torch.Tensor]:
+    """``(norm(y + residual), y + residual)`` for ``y = x @ weight.T + bias``: a projection that ends a block.
+
+    Where ``decode_linear`` takes the projection, it adds into ``residual`` in place and defers the norm to
+    the projection that reads it (``DeferredNorm``): one launch instead of two.
+    """
+    tiles = _decode_tiles(x, weight.shape[0])
+    if tiles is None:
+        return rms_norm(linear(x, weight, bias), norm_weight, eps, residual)
+    scaled, sum_squares = _decode_linear(x, weight, bias, tiles=tiles, into_residual=(residual, norm_weight))
+    return DeferredNorm(scaled, sum_squares, eps), residual
+
+
+def apply_norm(x: Normed) -> torch.Tensor:
+    """A norm's output as a tensor: ``x`` itself, or a deferred norm divided by each row's rms."""
+    if isinstance(x, torch.Tensor):
+        return x
+    if x.scaled.is_cuda:
+        from arctic_rl_core.engines.sampling.native import triton_ops
+
+        return triton_ops.scale_rows(x.scaled, x.sum_squares, x.eps)
+    rows, cols = x.scaled.shape
+    inv_rms = torch.rsqrt(x.sum_squares[:, :rows].sum(0) / cols + x.eps)
+    return (x.scaled.float() * inv_rms[:, None]).to(x.scaled.dtype)
+
+
+def qkv_rotary_and_store(
+    x: Normed,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    positions: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    q_norm: torch.Tensor | None,
+    k_norm: torch.Tensor | None,
+    eps: float,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slots: torch.Tensor,
+    num_heads: int,
+    num_kv_heads: int,
+) -> torch.Tensor:
+    """``rotary_and_store`` of the fused q/k/v projection ``x @ weight.T + bias``: the rotated queries.
+
+    Where ``decode_linear`` takes the projection (in tiles of one head), it rotates and stores each head
+    as it finishes it: one launch instead of two.
+    """
+    head_dim = k_cache.shape[-1]
+    one_tile_per_head = head_dim >= 16 and head_dim & (head_dim - 1) == 0  # Triton's tile sizes
+    tiles = _decode_tiles(x, weight.shape[0], block_n=head_dim) if one_tile_per_head else None
+    if tiles is None:
+        qkv = linear(x, weight, bias)
+        return rotary_and_store(qkv, positions, cos, sin, q_norm, k_norm, eps, k_cache, v_cache, slots, num_heads,
+                                num_kv_heads)  # fmt: skip
+    from arctic_rl_core.engines.sampling.native.decode_linear import RotaryStore
+
+    store = RotaryStore(positions, cos, sin, q_norm, k_norm, eps, k_cache, v_cache, slots, num_heads, num_kv_heads)
+    return _decode_linear(x, weight, bias, tiles=tiles, rotary=store)
+
+
+def _decode_linear(x: Normed, weight: torch.Tensor, bias=None, **options):
     """``decode_linear``, launched as a programmatic dependent where the device supports it."""
     from arctic_rl_core.engines.sampling.native import decode_linear
     from arctic_rl_core.zorro.attention.triton_attention import supports_pdl
 
+    if isinstance(x, DeferredNorm):
+        options["row_norm"] = (x.sum_squares, x.eps)
+        x = x.scaled
     return decode_linear.decode_linear(x, weight, bias, pdl=supports_pdl(x.device), **options)
 
 
-def _decode_tiles(x: torch.Tensor, n: int, gated: bool = False):
+def _decode_tiles(x: Normed, n: int, gated: bool = False, block_n: int | None = None):
     """``decode_linear``'s tiles for this call, or None for ``F.linear``.
 
     float32 models keep cuBLAS, whose products match Hugging Face's; so do
     batches too tall for a decode kernel.
     """
+    if isinstance(x, DeferredNorm):
+        x = x.scaled
     if not x.is_cuda or x.dtype == torch.float32 or x.dim() != 2:
         return None
     from arctic_rl_core.engines.sampling.native import decode_linear
 
-    return decode_linear.pick_tiles(x.shape[0], n, x.shape[1], decode_linear.num_sms(x.device), gated)
+    return decode_linear.pick_tiles(x.shape[0], n, x.shape[1], decode_linear.num_sms(x.device), gated, block_n)
 
 
 def rms_norm(

@@ -72,6 +72,34 @@ def rms_norm(
 
 
 @triton.jit
+def _scale_rows_kernel(
+    X, SUM_SQUARES, OUT, stride_x, stride_o, n_cols, parts, eps,
+    BLOCK: tl.constexpr, PARTS: tl.constexpr, BLOCK_M: tl.constexpr, USE_PDL: tl.constexpr,
+):  # fmt: skip
+    """One row of a deferred norm (``ops.DeferredNorm``): ``x / rms``, the rms from its sums of squares in parts."""
+    _wait_for_predecessor(USE_PDL)
+    row = tl.program_id(0).to(tl.int64)
+    part = tl.arange(0, PARTS)
+    squares = tl.load(SUM_SQUARES + part * BLOCK_M + row, mask=part < parts, other=0.0)
+    inv_rms = tl.rsqrt(tl.sum(squares, axis=0) / n_cols + eps)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    x = tl.load(X + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(OUT + row * stride_o + cols, (x * inv_rms).to(OUT.dtype.element_ty), mask=mask)
+
+
+def scale_rows(x: torch.Tensor, sum_squares: torch.Tensor, eps: float) -> torch.Tensor:
+    out = torch.empty_like(x)
+    parts, block_m = sum_squares.shape
+    _scale_rows_kernel[(x.shape[0],)](
+        x, sum_squares, out, x.stride(0), out.stride(0), x.shape[1], parts, eps,
+        BLOCK=triton.next_power_of_2(x.shape[1]), PARTS=triton.next_power_of_2(parts), BLOCK_M=block_m, num_warps=4,
+        **_launch_options(x.device),
+    )  # fmt: skip
+    return out
+
+
+@triton.jit
 def _norm_rope(x1, x2, W, cos, sin, eps, half, HAS_NORM: tl.constexpr, HEAD_DIM: tl.constexpr, DTYPE: tl.constexpr):
     """One head: optional RMS norm over head_dim (Qwen3), then the half-split rotary embedding."""
     if HAS_NORM:
