@@ -38,26 +38,16 @@ def test_bfloat16_results_match_cublas_within_rounding(rows, shape):
     assert ours_error <= 2 * cublas_error + 1e-3
 
 
-def test_programmatic_dependent_chain_in_a_cuda_graph_equals_sequential_launches():
-    if not supports_pdl(torch.device("cuda")):
-        pytest.skip("programmatic dependent launch needs compute capability 9.0")
-    layers = 8
+def _decoder(layers: int = 8):
+    """Eight layers' projection weights (Qwen2-0.5B's shapes), one norm weight, and 16 rows of input."""
     weights = [[_weight(*shape, seed=4 * i + j) for j, shape in enumerate((QKV, O_PROJ, GATE_UP, DOWN))]
                for i in range(layers)]  # fmt: skip
     norm_weight = torch.rand(896, device="cuda", dtype=torch.bfloat16) + 0.5
-    x0 = torch.randn(16, 896, device="cuda", dtype=torch.bfloat16)
+    return weights, norm_weight, torch.randn(16, 896, device="cuda", dtype=torch.bfloat16)
 
-    def chain(pdl):
-        """A decoder's kernels: the norms between the projections, the residual stream through them."""
-        x, residual = x0, None
-        for qkv, o, gate_up, down in weights:
-            h, residual = triton_ops.rms_norm(x, norm_weight, 1e-6, residual)
-            h = decode_linear(decode_linear(h, qkv, pdl=pdl)[:, :896], o, pdl=pdl)
-            h, residual = triton_ops.rms_norm(h, norm_weight, 1e-6, residual)
-            x = decode_linear(decode_linear(h, gate_up, gated=True, pdl=pdl), down, pdl=pdl)
-        return triton_ops.rms_norm(x, norm_weight, 1e-6, residual)[0]
 
-    expected = chain(pdl=False)
+def _assert_graph_replays_equal(chain, expected):
+    """``chain(pdl=True)`` captured in a CUDA graph and replayed 20 times gives ``expected`` bit for bit."""
     torch.cuda.synchronize()
     chain(pdl=True)  # compile outside the capture
     graph = torch.cuda.CUDAGraph()
@@ -70,15 +60,29 @@ def test_programmatic_dependent_chain_in_a_cuda_graph_equals_sequential_launches
         assert torch.equal(out, expected)
 
 
+def test_programmatic_dependent_chain_in_a_cuda_graph_equals_sequential_launches():
+    if not supports_pdl(torch.device("cuda")):
+        pytest.skip("programmatic dependent launch needs compute capability 9.0")
+    weights, norm_weight, x0 = _decoder()
+
+    def chain(pdl):
+        """A decoder's kernels: the norms between the projections, the residual stream through them."""
+        x, residual = x0, None
+        for qkv, o, gate_up, down in weights:
+            h, residual = triton_ops.rms_norm(x, norm_weight, 1e-6, residual)
+            h = decode_linear(decode_linear(h, qkv, pdl=pdl)[:, :896], o, pdl=pdl)
+            h, residual = triton_ops.rms_norm(h, norm_weight, 1e-6, residual)
+            x = decode_linear(decode_linear(h, gate_up, gated=True, pdl=pdl), down, pdl=pdl)
+        return triton_ops.rms_norm(x, norm_weight, 1e-6, residual)[0]
+
+    _assert_graph_replays_equal(chain, chain(pdl=False))
+
+
 def test_norms_deferred_into_the_projections_equal_the_unfused_chain_within_rounding():
     """A decoder's chain with each norm carried by the projections around it (``ops.linear_into_residual``):
     within bf16 noise of the chain with norm kernels, and in a CUDA graph of programmatic-dependent launches
     equal to the same kernels launched one after another, bit for bit."""
-    layers = 8
-    weights = [[_weight(*shape, seed=4 * i + j) for j, shape in enumerate((QKV, O_PROJ, GATE_UP, DOWN))]
-               for i in range(layers)]  # fmt: skip
-    norm_weight = torch.rand(896, device="cuda", dtype=torch.bfloat16) + 0.5
-    x0 = torch.randn(16, 896, device="cuda", dtype=torch.bfloat16)
+    weights, norm_weight, x0 = _decoder()
 
     def unfused(dtype, device):
         """The layers' ops one by one: float64 on the CPU is the exact reference, bf16 on CUDA its rounding."""
@@ -107,15 +111,5 @@ def test_norms_deferred_into_the_projections_equal_the_unfused_chain_within_roun
     exact, rounded = unfused(torch.float64, "cpu"), unfused(torch.bfloat16, "cuda")
     expected = fused(pdl=False)
     assert (expected.double() - exact).abs().max() <= 2 * (rounded.double() - exact).abs().max() + 1e-2
-    if not supports_pdl(torch.device("cuda")):
-        return
-    torch.cuda.synchronize()
-    fused(pdl=True)  # compile outside the capture
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = fused(pdl=True)
-    for _ in range(20):
-        out.zero_()
-        graph.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(out, expected)
+    if supports_pdl(torch.device("cuda")):
+        _assert_graph_replays_equal(fused, expected)

@@ -96,7 +96,7 @@ def check_rotary_finishes_a_qkv_projection_as_rotary_and_store(qk_norm: bool, sp
     caches = [torch.zeros(4, 4, kv_heads, dim) for _ in range(4)]
     expected = ops.rotary_and_store(F.linear(x, weight, bias), positions, freqs.cos(), freqs.sin(), *norms, 1e-6,
                                     caches[0], caches[1], slots, heads, kv_heads)  # fmt: skip
-    store = module.RotaryStore(positions, freqs.cos(), freqs.sin(), *norms, 1e-6, caches[2], caches[3], slots, heads,
+    store = ops.RotaryStore(positions, freqs.cos(), freqs.sin(), *norms, 1e-6, caches[2], caches[3], slots, heads,
                                kv_heads)  # fmt: skip
     tiles = LinearTiles(block_n=dim, block_k=64, split_k=split_k)
     actual = module.decode_linear(x, weight, bias, tiles=tiles, rotary=store)

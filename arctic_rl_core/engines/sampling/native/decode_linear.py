@@ -38,12 +38,13 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass
-from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+from arctic_rl_core.engines.sampling.native.ops import RotaryStore
 
 MAX_ROWS = 64  # decode batches up to this many rows take this path; larger ones are matmuls cuBLAS tiles well
 # Past 16 rows cuBLAS reads large weights faster (Qwen2.5-7B's projections, 26-271 MB, at 64 rows: 0.66-0.93x
@@ -268,22 +269,6 @@ def _decode_linear_kernel(
                           NUM_HEADS, NUM_KV_HEADS, BLOCK_N, QK_NORM, BLOCK_M)  # fmt: skip
         else:
             tl.store(Y + row[None, :] * stride_y + col[:, None], out, mask=in_bounds)
-
-
-class RotaryStore(NamedTuple):
-    """What ``ops.rotary_and_store`` takes besides a q/k/v projection's output (``decode_linear``'s ``rotary``)."""
-
-    positions: torch.Tensor
-    cos: torch.Tensor
-    sin: torch.Tensor
-    q_norm: torch.Tensor | None
-    k_norm: torch.Tensor | None
-    eps: float
-    k_cache: torch.Tensor
-    v_cache: torch.Tensor
-    slots: torch.Tensor
-    num_heads: int
-    num_kv_heads: int
 
 
 _COUNTERS: dict[tuple[torch.device, int], torch.Tensor] = {}

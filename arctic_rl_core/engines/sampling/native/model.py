@@ -141,12 +141,13 @@ class Attention(nn.Module):
         """The heads' outputs ``[tokens, q_size]``, before ``o_proj``: the layer applies it, adding into the
         residual stream in the same kernel."""
         spec = self.spec
-        q = ops.qkv_rotary_and_store(
-            x, self.qkv_proj.weight, self.qkv_proj.bias, positions, cos, sin,
+        store = ops.RotaryStore(
+            positions, cos, sin,
             self.q_norm.weight if self.q_norm is not None else None,
             self.k_norm.weight if self.k_norm is not None else None,
             spec.rms_norm_eps, k_cache, v_cache, meta.slot_mapping, spec.num_heads, spec.num_kv_heads,
         )  # fmt: skip
+        q = ops.qkv_rotary_and_store(x, self.qkv_proj.weight, self.qkv_proj.bias, store)
         return attend(q, k_cache, v_cache, meta, self.scale).flatten(1)
 
 

@@ -86,37 +86,35 @@ def apply_norm(x: Normed) -> torch.Tensor:
     return (x.scaled.float() * inv_rms[:, None]).to(x.scaled.dtype)
 
 
+class RotaryStore(NamedTuple):
+    """What ``rotary_and_store`` takes besides the q/k/v projection's output, in its order."""
+
+    positions: torch.Tensor
+    cos: torch.Tensor
+    sin: torch.Tensor
+    q_norm: torch.Tensor | None
+    k_norm: torch.Tensor | None
+    eps: float
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    slots: torch.Tensor
+    num_heads: int
+    num_kv_heads: int
+
+
 def qkv_rotary_and_store(
-    x: Normed,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    positions: torch.Tensor,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
-    q_norm: torch.Tensor | None,
-    k_norm: torch.Tensor | None,
-    eps: float,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    slots: torch.Tensor,
-    num_heads: int,
-    num_kv_heads: int,
+    x: Normed, weight: torch.Tensor, bias: torch.Tensor | None, store: RotaryStore
 ) -> torch.Tensor:
-    """``rotary_and_store`` of the fused q/k/v projection ``x @ weight.T + bias``: the rotated queries.
+    """``rotary_and_store(x @ weight.T + bias, *store)``: the rotated queries of the fused q/k/v projection.
 
     Where ``decode_linear`` takes the projection (in tiles of one head), it rotates and stores each head
     as it finishes it: one launch instead of two.
     """
-    head_dim = k_cache.shape[-1]
+    head_dim = store.k_cache.shape[-1]
     one_tile_per_head = head_dim >= 16 and head_dim & (head_dim - 1) == 0  # Triton's tile sizes
     tiles = _decode_tiles(x, weight.shape[0], block_n=head_dim) if one_tile_per_head else None
     if tiles is None:
-        qkv = linear(x, weight, bias)
-        return rotary_and_store(qkv, positions, cos, sin, q_norm, k_norm, eps, k_cache, v_cache, slots, num_heads,
-                                num_kv_heads)  # fmt: skip
-    from arctic_rl_core.engines.sampling.native.decode_linear import RotaryStore
-
-    store = RotaryStore(positions, cos, sin, q_norm, k_norm, eps, k_cache, v_cache, slots, num_heads, num_kv_heads)
+        return rotary_and_store(linear(x, weight, bias), *store)
     return _decode_linear(x, weight, bias, tiles=tiles, rotary=store)
 
 
