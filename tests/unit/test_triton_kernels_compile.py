@@ -112,3 +112,36 @@ def test_sampling_kernels_compile_for_hopper(processed):
         dict(SPLITS_PAD=64, PROCESSED=processed), num_warps=1,
     )  # fmt: skip
     assert len(split.asm["cubin"]) > 0 and len(combine.asm["cubin"]) > 0
+
+
+DECODE_LINEAR_BASE = dict(
+    HAS_BIAS=False, GATED=False, SPLIT_K=1, BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, PRECISION="tf32", USE_PDL=True,
+    SCALE_ROWS=False, PARTS=1, INTO_RESIDUAL=False, ROTARY=False, NUM_HEADS=0, NUM_KV_HEADS=0, QK_NORM=False,
+)  # fmt: skip
+# What a Qwen2-0.5B decode layer launches at 16 rows (and a 7B's q/k/v, in 128-wide head tiles, split in two).
+DECODE_LINEAR_CASES = {
+    "qkv_rotary_from_deferred_norm": dict(
+        HAS_BIAS=True, SCALE_ROWS=True, PARTS=16, ROTARY=True, NUM_HEADS=14, NUM_KV_HEADS=2
+    ),  # fmt: skip
+    "qkv_rotary_qk_norm": dict(SCALE_ROWS=True, PARTS=16, ROTARY=True, NUM_HEADS=14, NUM_KV_HEADS=2, QK_NORM=True),
+    "o_into_residual": dict(INTO_RESIDUAL=True),
+    "gate_up_from_deferred_norm": dict(GATED=True, SCALE_ROWS=True, PARTS=16),
+    "down_split_k_into_residual": dict(SPLIT_K=8, INTO_RESIDUAL=True),
+    "qkv_rotary_128_split_k": dict(BLOCK_N=128, SPLIT_K=2, ROTARY=True, NUM_HEADS=28, NUM_KV_HEADS=4),
+}
+
+
+@pytest.mark.parametrize("case", DECODE_LINEAR_CASES)
+def test_decode_linear_epilogues_compile_for_hopper(case):
+    """The norm and rotary epilogues (tile reshapes, splits, the in-place residual) lower for sm_90a."""
+    from arctic_rl_core.engines.sampling.native.decode_linear import _decode_linear_kernel
+
+    types = {name: "*bf16" for name in ("X", "W", "BIAS", "Y", "RESIDUAL", "NORM_WEIGHT", "Q_NORM", "K_NORM",
+                                        "K_CACHE", "V_CACHE")}  # fmt: skip
+    types |= {name: "*fp32" for name in ("PARTIAL", "SUM_SQUARES", "SUM_SQUARES_OUT", "COS", "SIN")}
+    types |= {"COUNTERS": "*i32", "POS": "*i64", "SLOTS": "*i64", "eps": "fp32", "qk_eps": "fp32"}
+    compiled = compile_for(
+        _decode_linear_kernel, types, {**DECODE_LINEAR_BASE, **DECODE_LINEAR_CASES[case]}, num_warps=4, num_stages=4
+    )
+    assert len(compiled.asm["cubin"]) > 0
+    assert "griddepcontrol.wait" in compiled.asm["ptx"]
