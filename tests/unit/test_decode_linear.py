@@ -153,6 +153,27 @@ def test_shapes_the_kernel_does_not_take_are_left_to_cublas():
         _module().decode_linear(torch.zeros(65, 896), torch.zeros(896, 896))
 
 
+def test_fused_epilogues_name_what_they_need_of_their_inputs():
+    """Checked before any launch: each error names the argument and what was expected."""
+    decode_linear = _module().decode_linear
+    x, weight, tiles = torch.zeros(4, 128), torch.zeros(96, 128), LinearTiles(block_n=16, block_k=64, split_k=1)
+    with pytest.raises(ValueError, match=r"into_residual: expected a residual of \(4, 96\)"):
+        decode_linear(x, weight, tiles=tiles, into_residual=(torch.zeros(4, 64), torch.zeros(96)))
+    with pytest.raises(ValueError, match="into_residual needs a plain projection"):
+        decode_linear(x, weight, gated=True, tiles=tiles, into_residual=(torch.zeros(4, 48), torch.zeros(48)))
+    with pytest.raises(ValueError, match="row_norm: sum_squares has rows of 8; expected 16"):
+        decode_linear(x, weight, tiles=tiles, row_norm=(torch.zeros(6, 8), 1e-6))
+    caches = torch.zeros(4, 4, 2, 16)
+    store = ops.RotaryStore(torch.zeros(4, dtype=torch.int64), torch.zeros(8, 8), torch.zeros(8, 8), None, None,
+                            1e-6, caches, caches, torch.zeros(4, dtype=torch.int64), 2, 2)  # fmt: skip
+    with pytest.raises(ValueError, match=r"rotary: expected a plain q/k/v projection of 96 outputs"):
+        decode_linear(x, torch.zeros(80, 128), tiles=tiles, rotary=store)
+    with pytest.raises(ValueError, match=r"in tiles of one head \(16\); got 96 outputs in tiles of 32"):
+        decode_linear(x, weight, tiles=LinearTiles(block_n=32, block_k=64, split_k=1), rotary=store)
+    with pytest.raises(ValueError, match="does not combine with gated or into_residual"):
+        decode_linear(x, weight, tiles=tiles, rotary=store, into_residual=(torch.zeros(4, 96), torch.zeros(96)))
+
+
 def test_split_k_counters_are_one_set_per_thread_and_never_replaced():
     """Engines on two threads must not share arrival counters; graphs keep the address of theirs."""
     module = _module()

@@ -387,8 +387,10 @@ def _rotary_arguments(rotary: RotaryStore | None, y: torch.Tensor, n: int, tiles
     v cache, slots, cos stride, cache slot stride, cache head stride, eps); placeholders without ``rotary``."""
     if rotary is None:
         return (y, y, y, y, y, y, y, y, y, 0, 0, 0, 0.0)
+    if other_epilogue:
+        raise ValueError("rotary finishes a plain q/k/v projection; it does not combine with gated or into_residual")
     heads, kv_heads, head_dim = rotary.num_heads, rotary.num_kv_heads, rotary.k_cache.shape[-1]
-    if other_epilogue or n != (heads + 2 * kv_heads) * head_dim or tiles.block_n != head_dim:
+    if n != (heads + 2 * kv_heads) * head_dim or tiles.block_n != head_dim:
         raise ValueError(f"rotary: expected a plain q/k/v projection of {(heads + 2 * kv_heads) * head_dim} outputs "
                          f"in tiles of one head ({head_dim}); got {n} outputs in tiles of {tiles.block_n}")  # fmt: skip
     q = torch.empty(y.shape[0], heads, head_dim, dtype=y.dtype, device=y.device)
