@@ -118,7 +118,7 @@ DECODE_LINEAR_BASE = dict(
     HAS_BIAS=False, GATED=False, SPLIT_K=1, BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, PRECISION="tf32", USE_PDL=True,
     SCALE_ROWS=False, PARTS=1, INTO_RESIDUAL=False, ROTARY=False, NUM_HEADS=0, NUM_KV_HEADS=0, QK_NORM=False,
 )  # fmt: skip
-# What a Qwen2-0.5B decode layer launches at 16 rows (and a 7B's q/k/v, in 128-wide head tiles, split in two).
+# What a Qwen2-0.5B decode layer launches at 16 rows, and a q/k/v projection of 32-dim heads split in two.
 DECODE_LINEAR_CASES = {
     "qkv_rotary_from_deferred_norm": dict(
         HAS_BIAS=True, SCALE_ROWS=True, PARTS=16, ROTARY=True, NUM_HEADS=14, NUM_KV_HEADS=2
@@ -127,7 +127,7 @@ DECODE_LINEAR_CASES = {
     "o_into_residual": dict(INTO_RESIDUAL=True),
     "gate_up_from_deferred_norm": dict(GATED=True, SCALE_ROWS=True, PARTS=16),
     "down_split_k_into_residual": dict(SPLIT_K=8, INTO_RESIDUAL=True),
-    "qkv_rotary_128_split_k": dict(BLOCK_N=128, SPLIT_K=2, ROTARY=True, NUM_HEADS=28, NUM_KV_HEADS=4),
+    "qkv_rotary_32_split_k": dict(BLOCK_N=32, SPLIT_K=2, ROTARY=True, NUM_HEADS=28, NUM_KV_HEADS=4),
 }
 
 

@@ -102,17 +102,22 @@ class RotaryStore(NamedTuple):
     num_kv_heads: int
 
 
+# Head sizes whose q/k/v projection rotates in its epilogue: a tile is one head, and Triton's tiles are powers of
+# two. 128-wide weight tiles spill ~700 bytes per thread in the sm_90a build (64-wide ones none), so models with
+# 128-dim heads keep the separate rotary kernel until that is timed.
+ROTARY_HEAD_TILES = (16, 32, 64)
+
+
 def qkv_rotary_and_store(
     x: Normed, weight: torch.Tensor, bias: torch.Tensor | None, store: RotaryStore
 ) -> torch.Tensor:
     """``rotary_and_store(x @ weight.T + bias, *store)``: the rotated queries of the fused q/k/v projection.
 
-    Where ``decode_linear`` takes the projection (in tiles of one head), it rotates and stores each head
-    as it finishes it: one launch instead of two.
+    Where ``decode_linear`` takes the projection in tiles of one head (``ROTARY_HEAD_TILES``), it rotates and
+    stores each head as it finishes it: one launch instead of two.
     """
     head_dim = store.k_cache.shape[-1]
-    one_tile_per_head = head_dim >= 16 and head_dim & (head_dim - 1) == 0  # Triton's tile sizes
-    tiles = _decode_tiles(x, weight.shape[0], block_n=head_dim) if one_tile_per_head else None
+    tiles = _decode_tiles(x, weight.shape[0], block_n=head_dim) if head_dim in ROTARY_HEAD_TILES else None
     if tiles is None:
         return rotary_and_store(linear(x, weight, bias), *store)
     return _decode_linear(x, weight, bias, tiles=tiles, rotary=store)
