@@ -133,15 +133,20 @@ def _agree_within_bfloat16_noise(a_outputs, b_outputs):
     assert compared >= 0.5 * 12 * 12
 
 
-def test_decode_projection_kernels_agree_with_cublas_within_bfloat16_noise(models, monkeypatch):
-    """bf16 decode steps run their projections as ``decode_linear`` kernels; without them (cuBLAS) they agree."""
+@pytest.mark.parametrize("family", ["qwen2", "qwen3"])
+def test_decode_projection_kernels_agree_with_cublas_within_bfloat16_noise(models, monkeypatch, family):
+    """bf16 decode steps run their projections as ``decode_linear`` kernels, with the norms between them and the
+    rotary embedding (Qwen3's q/k norms too) in their epilogues; without them (cuBLAS and the separate kernels)
+    they agree."""
     calls = []
     kernel = decode_linear.decode_linear
-    monkeypatch.setattr(decode_linear, "decode_linear", lambda *a, **k: calls.append(k["pdl"]) or kernel(*a, **k))
-    ours = _engine(models["qwen2"], dtype="bfloat16").generate(FOREST_PROMPTS, FOREST_PARAMS)
+    monkeypatch.setattr(decode_linear, "decode_linear", lambda *a, **k: calls.append(k) or kernel(*a, **k))
+    ours = _engine(models[family], dtype="bfloat16").generate(FOREST_PROMPTS, FOREST_PARAMS)
     assert len(calls) >= 4 * 2  # four projections per layer, in the warm-ups and captures at least
+    assert any(k.get("rotary") for k in calls) and any(k.get("into_residual") for k in calls)
+    assert any(k.get("row_norm") for k in calls)
     monkeypatch.setattr(decode_linear, "MAX_ROWS", 0)  # every batch is then too tall for the kernel
-    cublas = _engine(models["qwen2"], dtype="bfloat16").generate(FOREST_PROMPTS, FOREST_PARAMS)
+    cublas = _engine(models[family], dtype="bfloat16").generate(FOREST_PROMPTS, FOREST_PARAMS)
     _agree_within_bfloat16_noise(ours, cublas)
 
 
