@@ -341,10 +341,12 @@ def decode_linear(
     steps = k // tiles.block_k
     k_per_split = triton.cdiv(steps, tiles.split_k) * tiles.block_k
     split_k = triton.cdiv(k, k_per_split)  # no empty slices
-    y = torch.empty(rows, n, dtype=x.dtype, device=x.device)
-    rotary_args = _rotary_arguments(rotary, y, n, tiles, gated or into_residual is not None)
-    if rotary is not None:
-        y = rotary_args[0]
+    if rotary is None:
+        y = torch.empty(rows, n, dtype=x.dtype, device=x.device)
+        rotary_args = dict.fromkeys(("POS", "COS", "SIN", "Q_NORM", "K_NORM", "K_CACHE", "V_CACHE", "SLOTS"), y)
+        rotary_args |= dict(stride_cos=0, stride_ks=0, stride_kh=0, qk_eps=0.0)
+    else:
+        y, rotary_args = _rotary_arguments(rotary, rows, n, tiles, gated or into_residual is not None, x)
     weight_rows = tiles_n * split_k * tiles.block_n * (2 if gated else 1)
     prefetch_k = min(k_per_split, PREFETCH_BYTES // (weight_rows * weight.element_size()) // 64 * 64)
     if split_k > 1:
@@ -368,9 +370,11 @@ def decode_linear(
     if into_residual is not None:
         sum_squares_out = torch.empty(tiles_n, block_m, dtype=torch.float32, device=x.device)
     _decode_linear_kernel[(tiles_n, split_k)](
-        x, weight, bias if bias is not None else weight, y, partial, counters, sum_squares, residual, norm_weight,
-        sum_squares_out, *rotary_args[1:9], rows, n, k_per_split, k, prefetch_k, x.stride(0), weight.stride(0),
-        y.stride(0), residual.stride(0), parts, eps, rotary_args[9], y.stride(1), *rotary_args[10:],
+        X=x, W=weight, BIAS=bias if bias is not None else weight, Y=y, PARTIAL=partial, COUNTERS=counters,
+        SUM_SQUARES=sum_squares, RESIDUAL=residual, NORM_WEIGHT=norm_weight, SUM_SQUARES_OUT=sum_squares_out,
+        rows=rows, n=n, k_per_split=k_per_split, K=k, prefetch_k=prefetch_k, stride_x=x.stride(0),
+        stride_w=weight.stride(0), stride_y=y.stride(0), stride_r=residual.stride(0), parts=parts, eps=eps,
+        stride_qh=y.stride(1), **rotary_args,
         HAS_BIAS=bias is not None, GATED=gated, SPLIT_K=split_k, BLOCK_M=block_m, BLOCK_N=tiles.block_n,
         BLOCK_K=tiles.block_k, PRECISION="ieee" if x.dtype == torch.float32 else "tf32", USE_PDL=pdl,
         SCALE_ROWS=row_norm is not None, PARTS=triton.next_power_of_2(parts),
@@ -382,20 +386,20 @@ def decode_linear(
     return (y, sum_squares_out) if into_residual is not None else y
 
 
-def _rotary_arguments(rotary: RotaryStore | None, y: torch.Tensor, n: int, tiles: LinearTiles, other_epilogue: bool):
-    """The kernel's rotary arguments after ``Y``: (queries out, positions, cos, sin, q_norm, k_norm, k cache,
-    v cache, slots, cos stride, cache slot stride, cache head stride, eps); placeholders without ``rotary``."""
-    if rotary is None:
-        return (y, y, y, y, y, y, y, y, y, 0, 0, 0, 0.0)
+def _rotary_arguments(rotary: RotaryStore, rows: int, n: int, tiles: LinearTiles, other_epilogue: bool, x):
+    """The queries' output ``[rows, num_heads, head_dim]`` and the kernel's rotary arguments, by name."""
     if other_epilogue:
         raise ValueError("rotary finishes a plain q/k/v projection; it does not combine with gated or into_residual")
     heads, kv_heads, head_dim = rotary.num_heads, rotary.num_kv_heads, rotary.k_cache.shape[-1]
     if n != (heads + 2 * kv_heads) * head_dim or tiles.block_n != head_dim:
         raise ValueError(f"rotary: expected a plain q/k/v projection of {(heads + 2 * kv_heads) * head_dim} outputs "
                          f"in tiles of one head ({head_dim}); got {n} outputs in tiles of {tiles.block_n}")  # fmt: skip
-    q = torch.empty(y.shape[0], heads, head_dim, dtype=y.dtype, device=y.device)
-    q_norm = rotary.q_norm if rotary.q_norm is not None else q
-    k_norm = rotary.k_norm if rotary.k_norm is not None else q
+    q = torch.empty(rows, heads, head_dim, dtype=x.dtype, device=x.device)
     cache = rotary.k_cache
-    return (q, rotary.positions, rotary.cos, rotary.sin, q_norm, k_norm, cache, rotary.v_cache, rotary.slots,
-            rotary.cos.stride(0), cache.stride(1), cache.stride(2), rotary.eps)  # fmt: skip
+    return q, dict(
+        POS=rotary.positions, COS=rotary.cos, SIN=rotary.sin,
+        Q_NORM=rotary.q_norm if rotary.q_norm is not None else q,
+        K_NORM=rotary.k_norm if rotary.k_norm is not None else q,
+        K_CACHE=cache, V_CACHE=rotary.v_cache, SLOTS=rotary.slots,
+        stride_cos=rotary.cos.stride(0), stride_ks=cache.stride(1), stride_kh=cache.stride(2), qk_eps=rotary.eps,
+    )  # fmt: skip
