@@ -27,16 +27,18 @@ def check_fused_residual_rms_norm_matches_torch():
         torch.testing.assert_close(actual[1], expected[1])
 
 
-def check_rotary_and_cache_write_match_torch_and_skip_padding_slots(qk_norm):
+def check_rotary_and_cache_write_match_torch_and_skip_padding_slots(qk_norm, tokens=6):
+    """Tokens in tiles of ``ROTARY_TOKENS`` (the last one partial), query, key and value heads each a program."""
     kernels = _kernels()
     g = torch.Generator().manual_seed(1)
     heads, kv_heads, dim = 4, 2, 16
-    qkv = torch.randn(6, (heads + 2 * kv_heads) * dim, generator=g)
-    positions = torch.tensor([0, 3, 5, 7, 1, 2])
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim, generator=g)
+    positions = torch.randint(0, 16, (tokens,), generator=g)
     freqs = torch.arange(16).float()[:, None] / (10000 ** (torch.arange(0, dim, 2).float() / dim))
     norms = (torch.randn(dim, generator=g), torch.randn(dim, generator=g)) if qk_norm else (None, None)
-    slots = torch.tensor([3, -1, 7, 8, 0, 15])
-    caches = [torch.zeros(4, 4, kv_heads, dim) for _ in range(4)]
+    slots = torch.randperm(64, generator=g)[:tokens]
+    slots[1::3] = -1  # padding rows write nothing
+    caches = [torch.zeros(16, 4, kv_heads, dim) for _ in range(4)]
     q_ref = ops.rotary_and_store(qkv, positions, freqs.cos(), freqs.sin(), *norms, 1e-6, caches[0], caches[1],
                                  slots, heads, kv_heads)  # fmt: skip
     q_tri = kernels.rotary_and_store(qkv, positions.int(), freqs.cos(), freqs.sin(), *norms, 1e-6, caches[2],
@@ -44,7 +46,9 @@ def check_rotary_and_cache_write_match_torch_and_skip_padding_slots(qk_norm):
     torch.testing.assert_close(q_tri, q_ref)
     torch.testing.assert_close(caches[2], caches[0])
     torch.testing.assert_close(caches[3], caches[1])
-    assert caches[2].flatten(0, 1)[[1, 2, 4, 5, 6]].abs().sum() == 0  # untouched slots stay zero
+    untouched = torch.ones(64, dtype=torch.bool)
+    untouched[slots[slots >= 0]] = False
+    assert caches[2].flatten(0, 1)[untouched].abs().sum() == 0 and caches[3].flatten(0, 1)[untouched].abs().sum() == 0
 
 
 def check_silu_and_mul_matches_torch():
@@ -85,6 +89,7 @@ CHECKS = {
     "rms_norm": (check_fused_residual_rms_norm_matches_torch, ()),
     "rotary_store": (check_rotary_and_cache_write_match_torch_and_skip_padding_slots, (False,)),
     "rotary_store_qk_norm": (check_rotary_and_cache_write_match_torch_and_skip_padding_slots, (True,)),
+    "rotary_store_tiles": (check_rotary_and_cache_write_match_torch_and_skip_padding_slots, (True, 37)),
     "silu_and_mul": (check_silu_and_mul_matches_torch, ()),
     "sampling": (check_sampling_kernel_picks_the_same_tokens_and_logprobs_as_torch, (False,)),
     "sampling_processed": (check_sampling_kernel_picks_the_same_tokens_and_logprobs_as_torch, (True,)),

@@ -114,6 +114,20 @@ def test_sampling_kernels_compile_for_hopper(processed):
     assert len(split.asm["cubin"]) > 0 and len(combine.asm["cubin"]) > 0
 
 
+@pytest.mark.parametrize("head_dim, qk_norm", [(64, False), (128, True)])
+def test_rotary_kernel_compiles_for_hopper(head_dim, qk_norm):
+    """The standalone rotary and cache write (prefill, and decode of heads too wide for the epilogue)."""
+    compiled = compile_for(
+        triton_ops._rotary_store_kernel,
+        dict.fromkeys(("QKV", "Q_NORM", "K_NORM", "Q_OUT", "K_CACHE", "V_CACHE"), "*bf16")
+        | {"POS": "*i32", "COS": "*fp32", "SIN": "*fp32", "SLOTS": "*i64", "eps": "fp32"},
+        dict(NUM_HEADS=28, NUM_KV_HEADS=4, HEAD_DIM=head_dim, HAS_NORM=qk_norm, BLOCK_M=triton_ops.ROTARY_TOKENS,
+             USE_PDL=True),
+        num_warps=2,
+    )  # fmt: skip
+    assert register_use(compiled).spill_stores == 0
+
+
 DECODE_LINEAR_BASE = dict(
     HAS_BIAS=False, GATED=False, SPLIT_K=1, BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, PRECISION="tf32", USE_PDL=True,
     SCALE_ROWS=False, PARTS=1, INTO_RESIDUAL=False, ROTARY=False, NUM_HEADS=0, NUM_KV_HEADS=0, QK_NORM=False,

@@ -45,6 +45,7 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from arctic_rl_core.engines.sampling.native.ops import RotaryStore
+from arctic_rl_core.engines.sampling.native.triton_ops import rotary_store_tile
 
 MAX_ROWS = 64  # decode batches up to this many rows take this path; larger ones are matmuls cuBLAS tiles well
 # Past 16 rows cuBLAS reads large weights faster (Qwen2.5-7B's projections, 26-271 MB, at 64 rows: 0.66-0.93x
@@ -113,57 +114,6 @@ def _prefetch_to_l2(W, col, k_lo, k_hi, stride_w, BLOCK_N: tl.constexpr, LINES: 
         address = (W + col[:, None] * stride_w + ks[None, :]).to(tl.int64, bitcast=True)
         tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [address], dtype=tl.int32,
                                   is_pure=False, pack=1)  # fmt: skip
-
-
-@triton.jit
-def _norm_rope_columns(x1, x2, W, cos, sin, eps, HAS_NORM: tl.constexpr, HALF: tl.constexpr):
-    """``triton_ops._norm_rope`` for a tile of heads: ``x1``, ``x2`` are the halves ``[HALF, tokens]``."""
-    if HAS_NORM:
-        dtype = W.dtype.element_ty
-        inv_rms = tl.rsqrt((tl.sum(x1 * x1, axis=0) + tl.sum(x2 * x2, axis=0)) / (2 * HALF) + eps)[None, :]
-        half = tl.arange(0, HALF)
-        w1 = tl.load(W + half).to(tl.float32)[:, None]
-        w2 = tl.load(W + HALF + half).to(tl.float32)[:, None]
-        x1 = (w1 * (x1 * inv_rms).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
-        x2 = (w2 * (x2 * inv_rms).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
-    return x1 * cos - x2 * sin, x2 * cos + x1 * sin
-
-
-@triton.jit
-def _rotary_store(
-    out, head, token, token_ok, POS, COS, SIN, Q_NORM, K_NORM, Q_OUT, K_CACHE, V_CACHE, SLOTS,
-    stride_cos, stride_qt, stride_qh, stride_ks, stride_kh, eps,
-    NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, QK_NORM: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-):  # fmt: skip
-    """One head's q/k/v output ``[HEAD_DIM, tokens]``: a query head rotated into ``Q_OUT``, a key head
-    rotated and a value head as is into their cache slots (none for a negative slot), as
-    ``triton_ops._rotary_store_kernel`` does from the projection's output in memory."""
-    HALF: tl.constexpr = HEAD_DIM // 2
-    x1, x2 = tl.split(tl.permute(tl.reshape(out.to(tl.float32), [2, HALF, BLOCK_M]), [1, 2, 0]))
-    half = tl.arange(0, HALF)[:, None]
-    dtype = Q_OUT.dtype.element_ty
-    if head < NUM_HEADS + NUM_KV_HEADS:
-        pos = tl.load(POS + token).to(tl.int64)[None, :]
-        cos = tl.load(COS + pos * stride_cos + half)
-        sin = tl.load(SIN + pos * stride_cos + half)
-        if head < NUM_HEADS:
-            x1, x2 = _norm_rope_columns(x1, x2, Q_NORM, cos, sin, eps, QK_NORM, HALF)
-        else:
-            x1, x2 = _norm_rope_columns(x1, x2, K_NORM, cos, sin, eps, QK_NORM, HALF)
-    if head < NUM_HEADS:
-        dst = Q_OUT + token[None, :].to(tl.int64) * stride_qt + head * stride_qh + half
-        tl.store(dst, x1.to(dtype), mask=token_ok[None, :])
-        tl.store(dst + HALF, x2.to(dtype), mask=token_ok[None, :])
-    else:
-        slot = tl.load(SLOTS + token).to(tl.int64)[None, :]
-        write = token_ok[None, :] & (slot >= 0)
-        if head < NUM_HEADS + NUM_KV_HEADS:
-            dst = K_CACHE + slot * stride_ks + (head - NUM_HEADS) * stride_kh + half
-        else:
-            dst = V_CACHE + slot * stride_ks + (head - NUM_HEADS - NUM_KV_HEADS) * stride_kh + half
-        tl.store(dst, x1.to(dtype), mask=write)
-        tl.store(dst + HALF, x2.to(dtype), mask=write)
 
 
 @triton.jit
@@ -264,9 +214,9 @@ def _decode_linear_kernel(
             tl.store(SUM_SQUARES_OUT + tile * BLOCK_M + row, tl.sum(streamf * streamf, axis=0))
             out = (streamf * tl.load(NORM_WEIGHT + w_col).to(tl.float32)[:, None]).to(dtype)
         if ROTARY:
-            _rotary_store(out, tile, x_row, row_ok, POS, COS, SIN, Q_NORM, K_NORM, Y, K_CACHE, V_CACHE, SLOTS,
-                          stride_cos, stride_y, stride_qh, stride_ks, stride_kh, qk_eps,
-                          NUM_HEADS, NUM_KV_HEADS, BLOCK_N, QK_NORM, BLOCK_M)  # fmt: skip
+            rotary_store_tile(out, tile, x_row, row_ok, POS, COS, SIN, Q_NORM, K_NORM, Y, K_CACHE, V_CACHE, SLOTS,
+                              stride_cos, stride_y, stride_qh, stride_ks, stride_kh, qk_eps,
+                              NUM_HEADS, NUM_KV_HEADS, BLOCK_N, QK_NORM, BLOCK_M)  # fmt: skip
         else:
             tl.store(Y + row[None, :] * stride_y + col[:, None], out, mask=in_bounds)
 

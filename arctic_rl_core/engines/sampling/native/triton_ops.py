@@ -100,52 +100,82 @@ def scale_rows(x: torch.Tensor, sum_squares: torch.Tensor, eps: float) -> torch.
 
 
 @triton.jit
-def _norm_rope(x1, x2, W, cos, sin, eps, half, HAS_NORM: tl.constexpr, HEAD_DIM: tl.constexpr, DTYPE: tl.constexpr):
-    """One head: optional RMS norm over head_dim (Qwen3), then the half-split rotary embedding."""
+def norm_rope_columns(x1, x2, W, cos, sin, eps, HAS_NORM: tl.constexpr, HALF: tl.constexpr):
+    """A head's optional RMS norm over its dims (Qwen3), then the half-split rotary embedding, for a tile of
+    tokens: ``x1``, ``x2`` are the halves ``[HALF, tokens]``, ``cos``/``sin`` theirs."""
     if HAS_NORM:
-        inv_rms = tl.rsqrt((tl.sum(x1 * x1, axis=0) + tl.sum(x2 * x2, axis=0)) / HEAD_DIM + eps)
-        w1 = tl.load(W + half).to(tl.float32)
-        w2 = tl.load(W + HEAD_DIM // 2 + half).to(tl.float32)
-        x1 = (w1 * (x1 * inv_rms).to(DTYPE).to(tl.float32)).to(DTYPE).to(tl.float32)
-        x2 = (w2 * (x2 * inv_rms).to(DTYPE).to(tl.float32)).to(DTYPE).to(tl.float32)
+        dtype = W.dtype.element_ty
+        inv_rms = tl.rsqrt((tl.sum(x1 * x1, axis=0) + tl.sum(x2 * x2, axis=0)) / (2 * HALF) + eps)[None, :]
+        half = tl.arange(0, HALF)
+        w1 = tl.load(W + half).to(tl.float32)[:, None]
+        w2 = tl.load(W + HALF + half).to(tl.float32)[:, None]
+        x1 = (w1 * (x1 * inv_rms).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
+        x2 = (w2 * (x2 * inv_rms).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
     return x1 * cos - x2 * sin, x2 * cos + x1 * sin
 
 
 @triton.jit
+def rotary_store_tile(
+    out, head, token, token_ok, POS, COS, SIN, Q_NORM, K_NORM, Q_OUT, K_CACHE, V_CACHE, SLOTS,
+    stride_cos, stride_qt, stride_qh, stride_ks, stride_kh, eps,
+    NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, QK_NORM: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+):  # fmt: skip
+    """One head's q/k/v projection output ``[HEAD_DIM, tokens]``: a query head rotated into ``Q_OUT``, a key
+    head rotated and a value head as is into their cache slots (none for a negative slot).
+
+    ``head`` counts query heads, then key heads, then value heads. ``token`` must be in range (``token_ok``
+    says which to write). The q/k/v projection's epilogue calls it on each finished head
+    (``decode_linear``), ``rotary_and_store`` on each head of a projection's output in memory.
+    """
+    HALF: tl.constexpr = HEAD_DIM // 2
+    x1, x2 = tl.split(tl.permute(tl.reshape(out.to(tl.float32), [2, HALF, BLOCK_M]), [1, 2, 0]))
+    half = tl.arange(0, HALF)[:, None]
+    dtype = Q_OUT.dtype.element_ty
+    if head < NUM_HEADS + NUM_KV_HEADS:
+        pos = tl.load(POS + token).to(tl.int64)[None, :]
+        cos = tl.load(COS + pos * stride_cos + half)
+        sin = tl.load(SIN + pos * stride_cos + half)
+        if head < NUM_HEADS:
+            x1, x2 = norm_rope_columns(x1, x2, Q_NORM, cos, sin, eps, QK_NORM, HALF)
+        else:
+            x1, x2 = norm_rope_columns(x1, x2, K_NORM, cos, sin, eps, QK_NORM, HALF)
+    if head < NUM_HEADS:
+        dst = Q_OUT + token[None, :].to(tl.int64) * stride_qt + head * stride_qh + half
+        tl.store(dst, x1.to(dtype), mask=token_ok[None, :])
+        tl.store(dst + HALF, x2.to(dtype), mask=token_ok[None, :])
+    else:
+        slot = tl.load(SLOTS + token).to(tl.int64)[None, :]
+        write = token_ok[None, :] & (slot >= 0)
+        if head < NUM_HEADS + NUM_KV_HEADS:
+            dst = K_CACHE + slot * stride_ks + (head - NUM_HEADS) * stride_kh + half
+        else:
+            dst = V_CACHE + slot * stride_ks + (head - NUM_HEADS - NUM_KV_HEADS) * stride_kh + half
+        tl.store(dst, x1.to(dtype), mask=write)
+        tl.store(dst + HALF, x2.to(dtype), mask=write)
+
+
+@triton.jit
 def _rotary_store_kernel(
-    QKV, POS, COS, SIN, Q_NORM, K_NORM, Q_OUT, K_CACHE, V_CACHE, SLOTS,
+    QKV, POS, COS, SIN, Q_NORM, K_NORM, Q_OUT, K_CACHE, V_CACHE, SLOTS, tokens,
     stride_qkv, stride_qt, stride_qh, stride_cos, stride_ks, stride_kh, eps,
     NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HAS_NORM: tl.constexpr,
-    USE_PDL: tl.constexpr,
+    BLOCK_M: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
+    """One head of ``BLOCK_M`` tokens of the q/k/v projection's output: ``rotary_store_tile``."""
     _wait_for_predecessor(USE_PDL)
-    token = tl.program_id(0).to(tl.int64)
+    token = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    token_ok = token < tokens
+    token = tl.where(token_ok, token, 0)
     head = tl.program_id(1)
-    half = tl.arange(0, HEAD_DIM // 2)
-    dtype = Q_OUT.dtype.element_ty
-    pos = tl.load(POS + token).to(tl.int64)
-    cos = tl.load(COS + pos * stride_cos + half)
-    sin = tl.load(SIN + pos * stride_cos + half)
-    src = QKV + token * stride_qkv + head * HEAD_DIM
-    x1 = tl.load(src + half).to(tl.float32)
-    x2 = tl.load(src + HEAD_DIM // 2 + half).to(tl.float32)
-    if head < NUM_HEADS:
-        y1, y2 = _norm_rope(x1, x2, Q_NORM, cos, sin, eps, half, HAS_NORM, HEAD_DIM, dtype)
-        dst = Q_OUT + token * stride_qt + head * stride_qh
-        tl.store(dst + half, y1.to(dtype))
-        tl.store(dst + HEAD_DIM // 2 + half, y2.to(dtype))
-    else:
-        slot = tl.load(SLOTS + token).to(tl.int64)
-        if slot >= 0:
-            kv_head = head - NUM_HEADS
-            y1, y2 = _norm_rope(x1, x2, K_NORM, cos, sin, eps, half, HAS_NORM, HEAD_DIM, dtype)
-            dst = K_CACHE + slot * stride_ks + kv_head * stride_kh
-            tl.store(dst + half, y1.to(dtype))
-            tl.store(dst + HEAD_DIM // 2 + half, y2.to(dtype))
-            v_src = src + NUM_KV_HEADS * HEAD_DIM
-            v_dst = V_CACHE + slot * stride_ks + kv_head * stride_kh
-            tl.store(v_dst + half, tl.load(v_src + half))
-            tl.store(v_dst + HEAD_DIM // 2 + half, tl.load(v_src + HEAD_DIM // 2 + half))
+    dims = tl.arange(0, HEAD_DIM)
+    tile = tl.load(QKV + token[None, :].to(tl.int64) * stride_qkv + head * HEAD_DIM + dims[:, None])
+    rotary_store_tile(tile, head, token, token_ok, POS, COS, SIN, Q_NORM, K_NORM, Q_OUT, K_CACHE, V_CACHE, SLOTS,
+                      stride_cos, stride_qt, stride_qh, stride_ks, stride_kh, eps, NUM_HEADS, NUM_KV_HEADS,
+                      HEAD_DIM, HAS_NORM, BLOCK_M)  # fmt: skip
+
+
+ROTARY_TOKENS = 16  # tokens per program of ``rotary_and_store``
 
 
 def rotary_and_store(qkv, positions, cos, sin, q_norm, k_norm, eps, k_cache, v_cache, slots, num_heads, num_kv_heads):
@@ -153,11 +183,11 @@ def rotary_and_store(qkv, positions, cos, sin, q_norm, k_norm, eps, k_cache, v_c
     head_dim = k_cache.shape[-1]
     q = torch.empty(tokens, num_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
     has_norm = q_norm is not None
-    _rotary_store_kernel[(tokens, num_heads + num_kv_heads)](
+    _rotary_store_kernel[(triton.cdiv(tokens, ROTARY_TOKENS), num_heads + 2 * num_kv_heads)](
         qkv, positions, cos, sin, q_norm if has_norm else qkv, k_norm if has_norm else qkv, q, k_cache, v_cache, slots,
-        qkv.stride(0), q.stride(0), q.stride(1), cos.stride(0), k_cache.stride(1), k_cache.stride(2), eps,
-        NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, HAS_NORM=has_norm, num_warps=1,
-        **_launch_options(qkv.device),
+        tokens, qkv.stride(0), q.stride(0), q.stride(1), cos.stride(0), k_cache.stride(1), k_cache.stride(2), eps,
+        NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, HAS_NORM=has_norm,
+        BLOCK_M=ROTARY_TOKENS, num_warps=2, **_launch_options(qkv.device),
     )  # fmt: skip
     return q
 
