@@ -33,7 +33,11 @@ def _release_engines():
 
 
 def _engine(path, **options) -> NativeEngine:
-    base = {"device": "cuda", "max_model_len": 256, "max_num_seqs": 16, "gpu_memory_utilization": 0.05}
+    # gpu_memory_utilization counts what the process already holds (its context, the kernels the tests before
+    # loaded): give each engine 1 GiB beyond that, whatever the card.
+    free, total = torch.cuda.mem_get_info()
+    share = (total - free + (1 << 30)) / total
+    base = {"device": "cuda", "max_model_len": 256, "max_num_seqs": 16, "gpu_memory_utilization": share}
     return NativeEngine(str(path), SamplingEngineOptions(**{**base, **options}))
 
 
