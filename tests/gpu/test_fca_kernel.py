@@ -180,22 +180,19 @@ def test_graph_replay_follows_the_plan_written_into_static_buffers():
     def load(plan, lens):
         for name in ("wide_items", "narrow_items"):
             getattr(static, name)[: len(getattr(plan, name))] = torch.from_numpy(getattr(plan, name))
-        static.counts.copy_(torch.tensor([len(plan.wide_items), len(plan.narrow_items), warm_bytes]))
+        static.counts.copy_(torch.tensor([len(plan.wide_items), len(plan.narrow_items)]))
         static.query_index[: len(plan.query_index)] = torch.from_numpy(plan.query_index)
         static.merge_offsets.copy_(torch.from_numpy(plan.merge_offsets))
         static.merge_rows[: len(plan.merge_rows)] = torch.from_numpy(plan.merge_rows)
         positions.copy_(torch.tensor([x - 1 for x in lens]))
 
-    # The graph also prefetches two tensors into L2, as a decode step's attention does its layer's weights.
-    warm = (torch.randn(896, 896, device="cuda").to(torch.bfloat16), torch.randn(1000, 13, device="cuda"))
-    warm_bytes = 3 << 20
     forest = build_forest(tables, lengths, BS)
     load(plan_decode(forest, lengths, tiles, 264), lengths)
     out = torch.empty_like(q)
 
     def run():
         kernel.paged_attention(
-            q, *caches, block_tables, positions, static, workspace, D**-0.5, tiles, out=out, decode=True, warm=warm
+            q, *caches, block_tables, positions, static, workspace, D**-0.5, tiles, out=out, decode=True
         )
 
     run()
@@ -208,30 +205,3 @@ def test_graph_replay_follows_the_plan_written_into_static_buffers():
         graph.replay()
         expected = paged_decode_attention(q.float(), caches[0].float(), caches[1].float(), block_tables, lens, D**-0.5)
         torch.testing.assert_close(out.float(), expected, atol=2e-2, rtol=2e-2)
-
-
-@pytest.mark.parametrize("budget", [0, 1 << 20, 64 << 20])
-def test_warming_l2_leaves_the_output_bit_for_bit(budget):
-    """Prefetching the next kernels' weights (all, part or none of them) changes no output bit."""
-    from arctic_rl_core.zorro.attention import triton_attention as kernel
-
-    tables, lengths = _forest_batch(per_group=16)
-    forest = build_forest(tables, lengths, BS)
-    tiles = TileShape(GROUP)
-    caches = _cache(torch.bfloat16)
-    q = torch.randn(len(tables), HKV * GROUP, D, device="cuda").to(torch.bfloat16)
-    plan = plan_decode(forest, lengths, tiles, target_items=264)
-    positions = torch.tensor([n - 1 for n in lengths], dtype=torch.int32, device="cuda")
-    width = max(map(len, tables))
-    block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32, device="cuda")
-    workspace = kernel.Workspace.allocate(plan.num_partial_rows, q.shape[1], q.shape[2], "cuda")
-    weights = [torch.randn(n, 896, device="cuda").to(torch.bfloat16) for n in (896, 9728, 4864 // 8)]
-
-    def run(warm):
-        device_plan = kernel.DevicePlan.from_plan(plan, "cuda", warm_bytes=budget)
-        return kernel.paged_attention(q, *caches, block_tables, positions, device_plan, workspace, D**-0.5, tiles,
-                                      decode=True, warm=warm)  # fmt: skip
-
-    plain = run(())
-    for warm in (weights[:1], weights):
-        assert torch.equal(run(warm), plain)

@@ -48,16 +48,6 @@ def test_decode_plan_reads_each_position_once_through_a_table_that_holds_it(targ
 
 
 @pytest.mark.parametrize("target_items", [1, 16, 200])
-def test_a_plan_counts_the_kv_positions_it_reads_each_shared_one_once(target_items):
-    tables = [table + [50 + i] * 30 for i, table in enumerate(TABLES)]  # blocks enough to grow into
-    shared = plan_decode(build_forest(TABLES, LENGTHS, BS), LENGTHS, TileShape(3), target_items=target_items)
-    plain = plan_decode(PrefixForest.unshared(len(TABLES)), LENGTHS, TileShape(3), target_items=target_items)
-    assert plain.kv_positions == plain.capacity.sum()
-    distinct = {(tables[q][pos // BS], pos) for q in range(len(TABLES)) for pos in range(shared.capacity[q])}
-    assert shared.kv_positions == len(distinct) < shared.capacity.sum()  # shared positions count once
-
-
-@pytest.mark.parametrize("target_items", [1, 16, 200])
 def test_a_decode_plan_covers_each_context_grown_up_to_its_capacity_and_no_further(target_items):
     tables = [table + [50 + i] * 30 for i, table in enumerate(TABLES)]  # blocks enough to grow into
     plan = plan_decode(build_forest(TABLES, LENGTHS, BS), LENGTHS, TileShape(3), target_items=target_items)

@@ -318,8 +318,6 @@ test_kernel_under_the_interpreter = check_test(__file__, CHECKS)
         ("strides", "one layout for both caches"),
         ("odd_offset", "4-byte boundary"),
         ("head_dim", "power of two of at least 16, got 24"),
-        ("warm_strided", r"warm\[1\] must be a contiguous tensor"),
-        ("warm_four", "warms at most 3 tensors, got 4"),
     ],
 )
 def test_paged_attention_names_what_it_needs_of_its_inputs(case, message):
@@ -341,22 +339,9 @@ def test_paged_attention_names_what_it_needs_of_its_inputs(case, message):
     positions = torch.tensor([n - 1 for n in lengths], dtype=torch.int32)
     device_plan = kernel.DevicePlan.from_plan(plan, "cpu")
     workspace = kernel.Workspace.allocate(plan.num_partial_rows, HKV, D, "cpu")
-    weight = torch.zeros(64, 32, dtype=torch.half)
-    warm = {"warm_strided": (weight, weight.t()), "warm_four": (weight,) * 4}.get(case, ())
     with pytest.raises(ValueError, match=message):
         kernel.paged_attention(q, k_cache, v_cache, block_tables, positions, device_plan, workspace,
-                               0.0 if case == "scale" else SCALE, tiles, warm=warm)  # fmt: skip
-
-
-def test_the_weights_warmed_are_what_the_plans_own_reads_leave_of_the_l2_share():
-    kernel = _kernel()
-    tables, lengths = THREE_LEVELS
-    plan = plan_decode(build_forest(tables, lengths, BS), lengths, TileShape(1, wide_rows=32, narrow_rows=4),
-                       target_items=4)  # fmt: skip
-    l2_bytes, per_position = 50 << 20, 2 * HKV * D * 2
-    room = int(l2_bytes * kernel.WARM_L2_SHARE)
-    assert kernel.warm_budget(plan, per_position, l2_bytes) == room - plan.kv_positions * per_position > 0
-    assert kernel.warm_budget(plan, room // plan.kv_positions + 1, l2_bytes) == 0  # its reads alone fill it
+                               0.0 if case == "scale" else SCALE, tiles)  # fmt: skip
 
 
 def test_32_bit_offsets_only_where_they_reach_every_cache_value():

@@ -127,11 +127,6 @@ class AttentionPlan:
     def num_items(self) -> int:
         return len(self.wide_items) + len(self.narrow_items)
 
-    @property
-    def kv_positions(self) -> int:
-        """KV positions the items read per KV head, at most (a decode item stops at its queries' positions)."""
-        return sum(int((items[:, KV_END] - items[:, KV_START]).sum()) for items in (self.wide_items, self.narrow_items))
-
 
 @dataclass
 class _Tiles:

@@ -17,7 +17,6 @@ kernel that wrote its queries, and the merge's the attention kernel's.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
 
 import torch
 import triton
@@ -32,10 +31,6 @@ LOG2E = 1.4426950408889634
 _ITEM_ALIGN = tl.constexpr(KV_ALIGN)
 
 _PDL: dict[torch.device, bool] = {}
-# Of the L2, the share that one decode attention launch's own reads and the weights it prefetches may fill together:
-# the weights must still be there when the projections after it read them.
-WARM_L2_SHARE = 0.75
-WARM_AT_END = False
 # The merge's programs are many and small: at 2 warps (not 4) its launch after the attention kernel took 1.5 us
 # less at 4 groups x 16 on an H100 (24.6 -> 23.1 us for both launches; 1 warp: 23.5).
 MERGE_WARPS = 2
@@ -59,38 +54,6 @@ def _block_ids(table, kv0, kv_end, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constex
     else:
         kv_pos = kv0 + tl.arange(0, BLOCK_N)
         return tl.load(table + kv_pos // BLOCK_SIZE, mask=kv_pos < kv_end, other=0)
-
-
-@triton.jit
-def _warm_l2(BASE, nbytes, LANES: tl.constexpr):
-    """Ask L2 for this program's share of ``nbytes`` from ``BASE``, without waiting (Hopper's bulk prefetch).
-
-    The launch's programs of ``LANES`` lanes each take equal runs of whole
-    128-byte lines, one prefetch per lane; a run past ``nbytes`` asks nothing.
-    """
-    lines = tl.cdiv(nbytes, 128)
-    per_lane = tl.cdiv(lines, tl.num_programs(0) * LANES).to(tl.int64) * 128
-    start = (tl.program_id(0) * LANES + tl.arange(0, LANES)).to(tl.int64) * per_lane
-    size = (tl.minimum(nbytes - start, per_lane) // 16 * 16).to(tl.int32)  # the instruction moves 16-byte units
-    address = BASE.to(tl.int64, bitcast=True) + start
-    tl.inline_asm_elementwise(
-        "{ .reg .pred p; setp.gt.s32 p, $2, 0; @p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
-        "=r,l,r", [address, size], dtype=tl.int32, is_pure=False, pack=1,
-    )  # fmt: skip
-
-
-@triton.jit
-def _warm_weights(COUNTS, WARM0, WARM1, WARM2, warm_bytes0, warm_bytes1, warm_bytes2, WARM: tl.constexpr,
-                  LANES: tl.constexpr):  # fmt: skip
-    """Prefetch the first ``WARM`` tensors into L2 in order, up to the step's budget (``COUNTS[2]`` bytes)."""
-    budget = tl.load(COUNTS + 2).to(tl.int64)
-    _warm_l2(WARM0, tl.minimum(warm_bytes0, budget), LANES)
-    if WARM > 1:
-        budget -= warm_bytes0
-        _warm_l2(WARM1, tl.minimum(warm_bytes1, budget), LANES)
-    if WARM > 2:
-        budget -= warm_bytes1
-        _warm_l2(WARM2, tl.minimum(warm_bytes2, budget), LANES)
 
 
 @triton.jit
@@ -341,12 +304,11 @@ def _attend_item(
 def _attend_items(
     Q, K_CACHE, V_CACHE, OUT, PART_O, PART_LSE, BLOCK_TABLES, WIDE_ITEMS, NARROW_ITEMS, COUNTS, QUERY_INDEX,
     QUERY_POS, scale_log2, stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_ot, stride_oh, stride_bt,
-    WARM0, WARM1, WARM2, warm_bytes0, warm_bytes1, warm_bytes2,
     NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, WIDE_M: tl.constexpr, NARROW_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_WIDE: tl.constexpr, PRECISION: tl.constexpr, USE_PDL: tl.constexpr, EARLY: tl.constexpr,
     DECODE: tl.constexpr, NARROW_PREFETCH: tl.constexpr, NARROW_STAGES: tl.constexpr, WIDE_STAGES: tl.constexpr,
-    INT32_OFFSETS: tl.constexpr, WARM: tl.constexpr, WARM_AT_END: tl.constexpr,
+    INT32_OFFSETS: tl.constexpr,
 ):  # fmt: skip
     """Persistent over (item, KV head) work units: the wide items first (the longest), then the narrow ones.
 
@@ -355,9 +317,6 @@ def _attend_items(
     ``EARLY`` each program waits for the kernel before it inside its first
     unit, after that unit's early loads; else before anything.
     """
-    if WARM > 0:
-        if not WARM_AT_END:
-            _warm_weights(COUNTS, WARM0, WARM1, WARM2, warm_bytes0, warm_bytes1, warm_bytes2, WARM, 128)
     if USE_PDL and not EARLY:
         # Launched as a programmatic dependent: the queries and the cache are the kernels' before us.
         gdc_wait()
@@ -389,9 +348,6 @@ def _attend_items(
                 LOOP_STAGES=NARROW_STAGES,
                 first=first, WAIT=USE_PDL, DECODE=DECODE, MAY_OVERRUN=True, INT32_OFFSETS=INT32_OFFSETS,
             )  # fmt: skip
-    if WARM > 0:
-        if WARM_AT_END:
-            _warm_weights(COUNTS, WARM0, WARM1, WARM2, warm_bytes0, warm_bytes1, warm_bytes2, WARM, 128)
     if USE_PDL:
         if EARLY:
             # A program with no unit waits too: the kernels after us count on everything before us being done.
@@ -448,7 +404,7 @@ class DevicePlan:
 
     wide_items: torch.Tensor  # [capacity, 6]
     narrow_items: torch.Tensor
-    counts: torch.Tensor  # [3]: wide, narrow items in use; bytes of weights the launch may warm L2 with
+    counts: torch.Tensor  # [2]: wide, narrow items in use
     query_index: torch.Tensor
     merge_offsets: torch.Tensor  # [num_queries + 1]
     merge_rows: torch.Tensor
@@ -461,16 +417,16 @@ class DevicePlan:
             return torch.zeros(shape, dtype=torch.int32, device=device)
 
         return cls(
-            buf(max_items, ITEM_FIELDS), buf(max_items, ITEM_FIELDS), buf(3),
+            buf(max_items, ITEM_FIELDS), buf(max_items, ITEM_FIELDS), buf(2),
             buf(max_query_refs), buf(max_queries + 1), buf(max(max_partial_rows, 1)),
         )  # fmt: skip
 
     @classmethod
-    def from_plan(cls, plan: AttentionPlan, device, warm_bytes: int = 0) -> "DevicePlan":
+    def from_plan(cls, plan: AttentionPlan, device) -> "DevicePlan":
         def put(array):
             return torch.from_numpy(array).to(device, non_blocking=True)
 
-        counts = torch.tensor([len(plan.wide_items), len(plan.narrow_items), warm_bytes], dtype=torch.int32)
+        counts = torch.tensor([len(plan.wide_items), len(plan.narrow_items)], dtype=torch.int32)
         return cls(
             put(plan.wide_items), put(plan.narrow_items), counts.to(device),
             put(plan.query_index), put(plan.merge_offsets), put(plan.merge_rows),
@@ -542,21 +498,20 @@ def _resident_programs(args, options: dict, device) -> int:
 
 def kernel_options(
     tiles: TileShape, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype,
-    wide: bool, decode: bool, use_pdl: bool, cache_fits_int32: bool = True, warm: int = 0,
+    wide: bool, decode: bool, use_pdl: bool, cache_fits_int32: bool = True,
 ) -> dict:  # fmt: skip
     """``_attend_items``'s compile-time constants and launch options for one model's attention.
 
     ``cache_fits_int32``: every value of the caches is within 2**31 values of
     their start (``fits_int32_offsets``), so ``tiles.int32_offsets`` may apply.
-    ``warm``: how many tensors the launch prefetches into L2 (``paged_attention``).
     """
     options = dict(
         NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, GROUP=tiles.group, HEAD_DIM=head_dim,
         BLOCK_SIZE=block_size, WIDE_M=tiles.wide_rows, NARROW_M=tiles.narrow_rows, BLOCK_N=tiles.block_n,
         HAS_WIDE=wide, PRECISION="ieee" if dtype == torch.float32 else "tf32", USE_PDL=use_pdl,
         EARLY=tiles.early_loads, DECODE=decode, NARROW_PREFETCH=tiles.narrow_prefetch, NARROW_STAGES=tiles.stages,
-        WIDE_STAGES=tiles.wide_stages, INT32_OFFSETS=tiles.int32_offsets and cache_fits_int32, WARM=warm,
-        WARM_AT_END=WARM_AT_END, num_warps=tiles.wide_warps if wide else 4, num_stages=tiles.stages,
+        WIDE_STAGES=tiles.wide_stages, INT32_OFFSETS=tiles.int32_offsets and cache_fits_int32,
+        num_warps=tiles.wide_warps if wide else 4, num_stages=tiles.stages,
     )  # fmt: skip
     if wide and tiles.wide_maxnreg:
         options["maxnreg"] = tiles.wide_maxnreg
@@ -574,14 +529,13 @@ _DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "f
 
 def compile_attention(
     tiles: TileShape, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype,
-    wide: bool, decode: bool, target=triton_aot.HOPPER, warm: int = 0,
+    wide: bool, decode: bool, target=triton_aot.HOPPER,
 ):  # fmt: skip
     """``_attend_items`` built ahead of time for ``target`` (no GPU needed), as ``paged_attention`` launches it there."""
-    options = kernel_options(tiles, num_heads, num_kv_heads, head_dim, block_size, dtype, wide, decode, use_pdl=True,
-                             warm=warm)  # fmt: skip
+    options = kernel_options(tiles, num_heads, num_kv_heads, head_dim, block_size, dtype, wide, decode, use_pdl=True)
     launch = {name: options.pop(name) for name in ("num_warps", "num_stages", "maxnreg") if name in options}
     value = "*" + _DTYPE_NAMES[dtype]
-    types = dict.fromkeys(("Q", "K_CACHE", "V_CACHE", "OUT", "PART_O", "WARM0", "WARM1", "WARM2"), value)
+    types = dict.fromkeys(("Q", "K_CACHE", "V_CACHE", "OUT", "PART_O"), value)
     plan = ("BLOCK_TABLES", "WIDE_ITEMS", "NARROW_ITEMS", "COUNTS", "QUERY_INDEX", "QUERY_POS")
     types.update(dict.fromkeys(plan, "*i32"), PART_LSE="*fp32", scale_log2="fp32")
     # Whole allocations, and the strides of [tokens, heads, dim] and [blocks, slots, kv heads, dim] with dim % 16 == 0;
@@ -593,50 +547,27 @@ def compile_attention(
 
 def _launch_options(
     num_heads: int, k_cache: torch.Tensor, v_cache: torch.Tensor, tiles: TileShape, dtype: torch.dtype, wide: bool,
-    decode: bool, warm: int = 0,
+    decode: bool,
 ) -> dict:  # fmt: skip
     """``kernel_options`` for a launch of ``paged_attention`` over these caches."""
     fits = tiles.int32_offsets and fits_int32_offsets(k_cache) and fits_int32_offsets(v_cache)
     use_pdl = tiles.pdl and supports_pdl(k_cache.device)
     _, block_size, num_kv_heads, head_dim = k_cache.shape
-    return kernel_options(tiles, num_heads, num_kv_heads, head_dim, block_size, dtype, wide, decode, use_pdl, fits,
-                          warm)  # fmt: skip
+    return kernel_options(tiles, num_heads, num_kv_heads, head_dim, block_size, dtype, wide, decode, use_pdl, fits)
 
 
 def plan_lanes(
     num_heads: int, k_cache: torch.Tensor, v_cache: torch.Tensor, tiles: TileShape, dtype: torch.dtype,
-    wide: bool = True, decode: bool = True, warm: int = 0,
+    wide: bool = True, decode: bool = True,
 ) -> int | None:  # fmt: skip
     """``plan_decode``'s ``lanes`` for launches over these caches: the kernel's programs per KV head.
 
     None until ``paged_attention`` has built that kernel on the caches' device
-    (the count comes from its compiled registers); ``warm`` as the launches pass it.
+    (the count comes from its compiled registers).
     """
-    options = _launch_options(num_heads, k_cache, v_cache, tiles, dtype, wide, decode, warm)
+    options = _launch_options(num_heads, k_cache, v_cache, tiles, dtype, wide, decode)
     build = BUILDS.get((k_cache.device, tuple(sorted(options.items()))))
     return None if build is None else max(build.programs // k_cache.shape[2], 1)
-
-
-def _warm_arguments(tensors: Sequence[torch.Tensor], q: torch.Tensor) -> tuple:
-    """``paged_attention``'s ``warm`` as the kernel takes it: ``(tensor, bytes)`` pairs, flattened."""
-    if len(tensors) > 3:
-        raise ValueError(f"paged_attention warms at most 3 tensors, got {len(tensors)}")
-    pairs = []
-    for i, t in enumerate(tensors):
-        if t.device != q.device or not t.is_contiguous() or t.data_ptr() % 16:
-            raise ValueError(f"paged_attention's warm[{i}] must be a contiguous tensor on {q.device} that starts on "
-                             f"a 16-byte boundary, got {tuple(t.shape)} on {t.device}")  # fmt: skip
-        pairs += [t, t.numel() * t.element_size()]
-    return tuple(pairs)
-
-
-def warm_budget(plan: AttentionPlan, bytes_per_position: int, l2_bytes: int) -> int:
-    """Bytes of weights a decode attention launch over ``plan`` may prefetch into L2 (``paged_attention``'s
-    ``warm``): what is left of ``WARM_L2_SHARE`` of the device's ``l2_bytes`` after the launch's own reads,
-    ``bytes_per_position`` per KV position of each of its items; 0 where those reads alone fill it (long
-    contexts read without sharing stream more than L2 holds, and keep memory busy themselves).
-    """
-    return min(max(int(l2_bytes * WARM_L2_SHARE) - plan.kv_positions * bytes_per_position, 0), 2**31 - 1)
 
 
 def paged_attention(
@@ -653,7 +584,6 @@ def paged_attention(
     merge: bool = True,
     out: torch.Tensor | None = None,
     decode: bool = False,
-    warm: Sequence[torch.Tensor] = (),
 ) -> torch.Tensor:
     """Run ``plan`` over the paged cache; ``q``/``out`` are ``[tokens, num_heads, head_dim]``.
 
@@ -662,13 +592,6 @@ def paged_attention(
     (plans whose items all write directly: prefill). ``decode``: every query
     is its request's only new token (its key is the only one the kernel
     before wrote), so older keys may be read before waiting for that kernel.
-
-    ``warm``: up to three tensors (the weights the kernels after this one
-    read) that the launch prefetches into L2, in order, up to the plan's
-    budget (``DevicePlan.counts[2]`` bytes, ``warm_budget``). A decode step's
-    attention over shared prefixes reads little and waits on latency, so
-    memory would idle while it runs; this way the next projections find their
-    weights in L2. Ignored off CUDA.
     """
     num_tokens, num_heads, head_dim = q.shape
     if not scale > 0:
@@ -688,16 +611,12 @@ def paged_attention(
     ):  # the wide tiles read 16-bit caches as 32-bit words (_as_words); the head dimension is even (checked above)
         raise ValueError("paged_attention reads 16-bit caches as 32-bit words: it needs even strides and caches "
                          "that start on a 4-byte boundary")  # fmt: skip
-    warm = _warm_arguments(warm, q)  # checked everywhere, used on CUDA only (the prefetch is PTX)
-    warm = warm if q.is_cuda else ()
-    options = _launch_options(num_heads, k_cache, v_cache, tiles, q.dtype, wide, decode, len(warm) // 2)
+    options = _launch_options(num_heads, k_cache, v_cache, tiles, q.dtype, wide, decode)
     use_pdl = options["USE_PDL"]
-    pad = (q,) * (3 - len(warm) // 2)
     args = (
         q, k_cache, v_cache, out, workspace.partial_out, workspace.partial_lse, block_tables, plan.wide_items,
         plan.narrow_items, plan.counts, plan.query_index, query_positions, scale * LOG2E,
         q.stride(0), q.stride(1), *k_cache.stride()[:3], out.stride(0), out.stride(1), block_tables.stride(0),
-        *warm[::2], *pad, *warm[1::2], *(0,) * len(pad),
     )  # fmt: skip
     programs = _resident_programs(args, options, q.device) if q.is_cuda else 4
     _attend_items[(programs,)](*args, **options, **({"launch_pdl": True} if use_pdl else {}))

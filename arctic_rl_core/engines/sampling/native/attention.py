@@ -36,20 +36,15 @@ class AttentionMetadata:
 
 
 def attend(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
-    warm: tuple[torch.Tensor, ...] = (),
-) -> torch.Tensor:  # fmt: skip
-    """Attention output ``[tokens, num_heads, head_dim]`` for queries whose new keys are already in the cache.
-
-    ``warm``: the weights read next, which the GPU kernel of a decode step
-    prefetches into L2 as far as its plan's budget allows (``paged_attention``).
-    """
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+) -> torch.Tensor:
+    """Attention output ``[tokens, num_heads, head_dim]`` for queries whose new keys are already in the cache."""
     if meta.plan is not None:
         from arctic_rl_core.zorro.attention import triton_attention
 
         return triton_attention.paged_attention(
             q, k_cache, v_cache, meta.block_tables, meta.positions, meta.plan, meta.workspace, scale, meta.tiles,
-            wide=meta.wide, merge=meta.merge, decode=not meta.is_prefill, warm=() if meta.is_prefill else warm,
+            wide=meta.wide, merge=meta.merge, decode=not meta.is_prefill,
         )  # fmt: skip
     if meta.is_prefill:
         return reference.paged_prefill_attention(

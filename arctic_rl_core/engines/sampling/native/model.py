@@ -137,11 +137,9 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps, dtype, device) if spec.qk_norm else None
         self.scale = spec.head_dim**-0.5
 
-    def forward(
-        self, x: ops.Normed, positions, cos, sin, k_cache, v_cache, meta: AttentionMetadata, warm=()
-    ) -> torch.Tensor:
+    def forward(self, x: ops.Normed, positions, cos, sin, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
         """The heads' outputs ``[tokens, q_size]``, before ``o_proj``: the layer applies it, adding into the
-        residual stream in the same kernel. ``warm``: weights read after the attention (``attend``)."""
+        residual stream in the same kernel."""
         spec = self.spec
         store = ops.RotaryStore(
             positions, cos, sin,
@@ -150,7 +148,7 @@ class Attention(nn.Module):
             spec.rms_norm_eps, k_cache, v_cache, meta.slot_mapping, spec.num_heads, spec.num_kv_heads,
         )  # fmt: skip
         q = ops.qkv_rotary_and_store(x, self.qkv_proj.weight, self.qkv_proj.bias, store)
-        return attend(q, k_cache, v_cache, meta, self.scale, warm).flatten(1)
+        return attend(q, k_cache, v_cache, meta, self.scale).flatten(1)
 
 
 class MLP(nn.Module):
@@ -169,10 +167,6 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype, device)
         self.mlp = MLP(spec, dtype, device)
 
-    def weights_after_attention(self) -> tuple[torch.Tensor, ...]:
-        """The weights the layer reads after its attention, in order: what a decode step's attention prefetches."""
-        return self.self_attn.o_proj.weight, self.mlp.gate_up_proj.weight, self.mlp.down_proj.weight
-
     def forward(self, h: ops.Normed, residual, positions, cos, sin, k_cache, v_cache, meta, next_norm: RMSNorm):
         """``h`` is this layer's input, already through ``input_layernorm``; returns the residual stream and
         ``next_norm`` of it, the next layer's input (or the model's final norm).
@@ -181,7 +175,7 @@ class DecoderLayer(nn.Module):
         projection (``ops.linear_into_residual``), so on the fused decode path no norm needs a launch.
         """
         attn = self.self_attn
-        out = attn(h, positions, cos, sin, k_cache, v_cache, meta, self.weights_after_attention())
+        out = attn(h, positions, cos, sin, k_cache, v_cache, meta)
         norm = self.post_attention_layernorm
         h, residual = ops.linear_into_residual(out, attn.o_proj.weight, attn.o_proj.bias, residual, norm.weight,
                                                norm.eps)  # fmt: skip

@@ -48,7 +48,7 @@ class DecodeStaging:
 
     def __init__(self, max_seqs: int, max_blocks: int, max_items: int, max_refs: int, max_rows: int, device):
         sizes = {
-            "input_ids": max_seqs, "positions": max_seqs, "slots": max_seqs, "counts": 3,
+            "input_ids": max_seqs, "positions": max_seqs, "slots": max_seqs, "counts": 2,
             "merge_offsets": max_seqs + 1, "wide_items": max_items * ITEM_FIELDS,
             "narrow_items": max_items * ITEM_FIELDS, "query_index": max_refs, "merge_rows": max_rows,
         }  # fmt: skip
@@ -93,11 +93,8 @@ class DecodeStaging:
         return DevicePlan(d["wide_items"], d["narrow_items"], d["counts"], d["query_index"],
                           d["merge_offsets"][: num_queries + 1], d["merge_rows"])  # fmt: skip
 
-    def fill(self, seqs: list[Sequence], plan: AttentionPlan, padded: int, block_size: int, warm_bytes: int) -> None:
-        """Write the step's inputs and copy them to the device (pending tokens' ids are overwritten there).
-
-        ``warm_bytes``: how much of the weights after each attention its launch prefetches (``warm_budget``).
-        """
+    def fill(self, seqs: list[Sequence], plan: AttentionPlan, padded: int, block_size: int) -> None:
+        """Write the step's inputs and copy them to the device (pending tokens' ids are overwritten there)."""
         self._copied.synchronize()
         h = self.h
         n = len(seqs)
@@ -111,7 +108,7 @@ class DecodeStaging:
         h["input_ids"][n:padded] = 0
         h["positions"][n:padded] = 0
         h["slots"][n:padded] = -1  # padding rows write no KV
-        h["counts"][:] = (len(plan.wide_items), len(plan.narrow_items), warm_bytes)
+        h["counts"][:] = (len(plan.wide_items), len(plan.narrow_items))
         h["merge_offsets"][: n + 1] = plan.merge_offsets
         h["merge_offsets"][n + 1 : padded + 1] = plan.merge_offsets[-1]
         h["wide_items"][: plan.wide_items.size] = plan.wide_items.ravel()
@@ -154,9 +151,7 @@ class ModelRunner:
         self.balance_plans = True
         self.reuse_decode_plans = True  # False: plan every decode step (for comparisons)
         if self.device.type == "cuda":
-            props = torch.cuda.get_device_properties(self.device)
-            sms = props.multi_processor_count
-            self.l2_bytes = props.L2_cache_size
+            sms = torch.cuda.get_device_properties(self.device).multi_processor_count
             self.target_items = max(32, 4 * sms // spec.num_kv_heads)
             max_seqs = config.max_num_seqs
             max_items, max_rows = decode_buffer_sizes(max_seqs, self.target_items, self.tiles)
@@ -319,7 +314,7 @@ class ModelRunner:
         plan = self._decode_plan(seqs, forest)
         n = len(seqs)
         padded = next((b for b in self.graph_sizes if b >= n), n) if self.graphs else n
-        staging.fill(seqs, plan, padded, self.block_size, self._warm_bytes(plan))
+        staging.fill(seqs, plan, padded, self.block_size)
         if previous is not None:
             staging.d["input_ids"][:n].copy_(previous.tokens[:n])  # queued after the step that samples them
         key = (padded, len(plan.wide_items) > 0)
@@ -353,13 +348,6 @@ class ModelRunner:
         self._plan_cache = (forest, ids, plan)
         return plan
 
-    def _warm_bytes(self, plan: AttentionPlan) -> int:
-        """Bytes of each layer's weights after its attention that a decode step's attention prefetches into L2."""
-        from arctic_rl_core.zorro.attention.triton_attention import warm_budget
-
-        spec = self.config.spec
-        return warm_budget(plan, self.block_bytes // (spec.num_layers * self.block_size), self.l2_bytes)
-
     def _plan_lanes(self) -> int | None:
         """How many programs per KV head the FCA decode kernel runs at once, for plans that balance them.
 
@@ -370,9 +358,8 @@ class ModelRunner:
         if self._lanes is None and self.kv_cache is not None:
             from arctic_rl_core.zorro.attention.triton_attention import plan_lanes
 
-            warm = len(self.model.layers[0].weights_after_attention())
             self._lanes = plan_lanes(self.config.spec.num_heads, self.kv_cache[0, 0], self.kv_cache[0, 1], self.tiles,
-                                     self.config.dtype, warm=warm)  # fmt: skip
+                                     self.config.dtype)  # fmt: skip
         return self._lanes
 
     def _decode_metadata(self, n: int, wide: bool) -> AttentionMetadata:
