@@ -33,11 +33,8 @@ def _release_engines():
 
 
 def _engine(path, **options) -> NativeEngine:
-    # gpu_memory_utilization counts what the process already holds (its context, the kernels the tests before
-    # loaded): give each engine 1 GiB beyond that, whatever the card.
-    free, total = torch.cuda.mem_get_info()
-    share = (total - free + (1 << 30)) / total
-    base = {"device": "cuda", "max_model_len": 256, "max_num_seqs": 16, "gpu_memory_utilization": share}
+    # The engine's own share (weights, activations, KV), whatever the tests before left loaded in the process.
+    base = {"device": "cuda", "max_model_len": 256, "max_num_seqs": 16, "gpu_memory_utilization": 0.05}
     return NativeEngine(str(path), SamplingEngineOptions(**{**base, **options}))
 
 

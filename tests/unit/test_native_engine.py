@@ -329,3 +329,17 @@ def test_zorro_inference_alias_switches_fca(models):
 def test_invalid_prompts_are_rejected(models, prompt, match):
     with pytest.raises(ValueError, match=match):
         _engine(models["qwen2"]).add_request(prompt, SamplingParams())
+
+
+def test_the_kv_cache_gets_the_engines_share_less_its_own_memory_whatever_others_hold():
+    from arctic_rl_core.engines.sampling.native.model_runner import GiB, kv_cache_bytes
+
+    # 80 GiB card, a 0.3 share: 24 GiB, less 1 GiB of weights and 2 GiB of activations.
+    others_hold = [0, 30 * GiB]  # a colocated trainer's memory does not shrink the share
+    for held in others_hold:
+        free = 80 * GiB - 1 * GiB - held
+        assert kv_cache_bytes(80 * GiB, free, 0.3, own=GiB, activations=2 * GiB) == 21 * GiB
+    with pytest.raises(ValueError, match=r"asks for 21.00 GiB of KV cache.*3.00 GiB free.*hold 74.00 GiB"):
+        kv_cache_bytes(80 * GiB, 5 * GiB, 0.3, own=GiB, activations=2 * GiB)
+    with pytest.raises(ValueError, match=r"gpu_memory_utilization=0.01 \(0.80 GiB\) does not cover"):
+        kv_cache_bytes(80 * GiB, 70 * GiB, 0.01, own=GiB, activations=2 * GiB)

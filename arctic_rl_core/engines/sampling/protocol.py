@@ -141,7 +141,11 @@ class SamplingEngineOptions(BaseModel):
     seed: int = 0
     max_model_len: int | None = Field(None, ge=16, description="Prompt + completion length limit; None: the model's.")
     max_num_seqs: int = Field(256, ge=1, description="Sequences decoded together in one step.")
-    gpu_memory_utilization: float = Field(0.5, gt=0.0, le=1.0, description="Share of device memory for weights+KV.")
+    gpu_memory_utilization: float = Field(
+        0.5, gt=0.0, le=1.0,
+        description="This engine's share of device memory, for its weights, activations and KV cache (as in vLLM: "
+        "what other processes hold is not counted in it).",
+    )  # fmt: skip
     block_size: int = Field(16, ge=1, description="Tokens per KV-cache block.")
     enable_prefix_caching: bool = True
     enforce_eager: bool = False

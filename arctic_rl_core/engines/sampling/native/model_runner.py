@@ -37,6 +37,30 @@ from arctic_rl_core.zorro.attention.plan import (
     plan_prefill,
 )
 
+GiB = 1 << 30
+
+
+def kv_cache_bytes(total: int, free: int, utilization: float, own: int, activations: int) -> int:
+    """Bytes of KV cache for an engine given ``utilization`` of a device of ``total`` bytes.
+
+    As vLLM counts ``gpu_memory_utilization``, the share is this engine's:
+    its weights and buffers (``own``) and its peak activations come out of it,
+    and what other processes hold (a colocated trainer, another engine) is
+    theirs. The cache and the activations' peak must fit in what is ``free``.
+    """
+    share = int(total * utilization)
+    budget = share - own - activations
+    if budget <= 0:
+        raise ValueError(f"gpu_memory_utilization={utilization} ({share / GiB:.2f} GiB) does not cover this engine's "
+                         f"weights and buffers ({own / GiB:.2f} GiB) and peak activations ({activations / GiB:.2f} "
+                         f"GiB); expected a larger share")  # fmt: skip
+    if budget > free - activations:
+        raise ValueError(f"gpu_memory_utilization={utilization} asks for {budget / GiB:.2f} GiB of KV cache, but the "
+                         f"device has {max(free - activations, 0) / GiB:.2f} GiB free beside this engine's peak "
+                         f"activations (other processes hold {max(total - free - own, 0) / GiB:.2f} GiB); expected a "
+                         f"smaller share, or free the device")  # fmt: skip
+    return budget
+
 
 def graph_batch_sizes(max_num_seqs: int) -> list[int]:
     sizes = [b for b in (1, 2, 4, 8) if b < max_num_seqs] + list(range(16, max_num_seqs, 16))
@@ -197,16 +221,19 @@ class ModelRunner:
         return self._check_blocks(min(wanted, budget // self.block_bytes))
 
     def _profile_num_blocks(self) -> int:
-        """Blocks that fit in ``gpu_memory_utilization`` of the device after weights and a worst-case prefill."""
+        """Blocks that fit in the engine's ``gpu_memory_utilization`` of the device after its weights and a
+        worst-case prefill (``kv_cache_bytes``)."""
         torch.cuda.synchronize(self.device)
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(self.device)
         self._warmup_prefill()
+        torch.cuda.empty_cache()  # the prefill's activations back to the device, so that they count as free
         free, total = torch.cuda.mem_get_info(self.device)
         stats = torch.cuda.memory_stats(self.device)
-        activations = stats["allocated_bytes.all.peak"] - stats["allocated_bytes.all.current"]
-        budget = total * self.config.gpu_memory_utilization - (total - free) - activations
-        return self._check_blocks(int(budget // self.block_bytes))
+        own = stats["allocated_bytes.all.current"]
+        activations = stats["allocated_bytes.all.peak"] - own
+        budget = kv_cache_bytes(total, free, self.config.gpu_memory_utilization, own, activations)
+        return self._check_blocks(budget // self.block_bytes)
 
     def _check_blocks(self, num_blocks: int) -> int:
         if num_blocks < self.config.max_blocks_per_seq:
