@@ -23,6 +23,9 @@ pip=("$venv/bin/python" -m pip install -q --disable-pip-version-check)
 "$venv/bin/python" -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
 # DeepSpeed JIT-builds its CPU shared-memory collective on first use (~1 min): once, here, into a known cache.
 export TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-$HOME/.cache/arctic-rl/torch_extensions_py311}
+# A build killed midway leaves torch's lock file behind, and every later build waits on it forever (a killed CI
+# run once cost the next one 12 minutes). A build takes ~1 min: a lock older than 10 is nobody's.
+find "$TORCH_EXTENSIONS_DIR" -name lock -mmin +10 -delete 2>/dev/null || true
 DS_ACCELERATOR=cpu "$venv/bin/python" -c "from deepspeed.comm.torch import build_shm_op; build_shm_op()" >/dev/null
 echo "$want" > "$stamp"
 echo "arctic-rl environment ready in $venv ($((SECONDS - start)) s)"
