@@ -33,7 +33,8 @@ def _release_engines():
 
 
 def _engine(path, **options) -> NativeEngine:
-    # The engine's own share (weights, activations, KV), whatever the tests before left loaded in the process.
+    # 0.05 of the device for the engine's weights, activations and KV cache. Memory outside PyTorch's allocator
+    # (the CUDA context, kernels the tests before loaded, other processes) is not counted in it (kv_cache_bytes).
     base = {"device": "cuda", "max_model_len": 256, "max_num_seqs": 16, "gpu_memory_utilization": 0.05}
     return NativeEngine(str(path), SamplingEngineOptions(**{**base, **options}))
 

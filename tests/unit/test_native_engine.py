@@ -10,6 +10,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from arctic_rl_core import ArcticRLClientConfig
 from arctic_rl_core.engines.sampling.native import NativeEngine
 from arctic_rl_core.engines.sampling.native.config import EngineConfig
+from arctic_rl_core.engines.sampling.native.model_runner import GiB, kv_cache_bytes
 from arctic_rl_core.engines.sampling.protocol import SamplingEngineOptions, SamplingParams
 from arctic_rl_core.errors import BadRequest
 from arctic_rl_core.models.tiny import TinySpec, build_tiny_model
@@ -332,8 +333,6 @@ def test_invalid_prompts_are_rejected(models, prompt, match):
 
 
 def test_the_kv_cache_gets_the_engines_share_less_its_own_memory_whatever_others_hold():
-    from arctic_rl_core.engines.sampling.native.model_runner import GiB, kv_cache_bytes
-
     # 80 GiB card, a 0.3 share: 24 GiB, less 1 GiB of weights and 2 GiB of activations.
     others_hold = [0, 30 * GiB]  # a colocated trainer's memory does not shrink the share
     for held in others_hold:

@@ -100,7 +100,7 @@ def scale_rows(x: torch.Tensor, sum_squares: torch.Tensor, eps: float) -> torch.
 
 
 @triton.jit
-def norm_rope_columns(x1, x2, W, cos, sin, eps, HAS_NORM: tl.constexpr, HALF: tl.constexpr):
+def _norm_rope_columns(x1, x2, W, cos, sin, eps, HAS_NORM: tl.constexpr, HALF: tl.constexpr):
     """A head's optional RMS norm over its dims (Qwen3), then the half-split rotary embedding, for a tile of
     tokens: ``x1``, ``x2`` are the halves ``[HALF, tokens]``, ``cos``/``sin`` theirs."""
     if HAS_NORM:
@@ -137,9 +137,9 @@ def rotary_store_tile(
         cos = tl.load(COS + pos * stride_cos + half)
         sin = tl.load(SIN + pos * stride_cos + half)
         if head < NUM_HEADS:
-            x1, x2 = norm_rope_columns(x1, x2, Q_NORM, cos, sin, eps, QK_NORM, HALF)
+            x1, x2 = _norm_rope_columns(x1, x2, Q_NORM, cos, sin, eps, QK_NORM, HALF)
         else:
-            x1, x2 = norm_rope_columns(x1, x2, K_NORM, cos, sin, eps, QK_NORM, HALF)
+            x1, x2 = _norm_rope_columns(x1, x2, K_NORM, cos, sin, eps, QK_NORM, HALF)
     if head < NUM_HEADS:
         dst = Q_OUT + token[None, :].to(tl.int64) * stride_qt + head * stride_qh + half
         tl.store(dst, x1.to(dtype), mask=token_ok[None, :])
