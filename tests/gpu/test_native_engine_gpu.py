@@ -152,6 +152,13 @@ def test_decode_projection_kernels_agree_with_cublas_within_bfloat16_noise(model
     _agree_within_bfloat16_noise(ours, cublas)
 
 
+def test_an_engine_built_beside_another_gets_the_same_kv_cache(models):
+    """The share is the engine's own: memory the process held before it (here, another engine) is not counted."""
+    first = _engine(models["qwen2"])
+    second = _engine(models["qwen2"])
+    assert second.runner.num_blocks == first.runner.num_blocks
+
+
 def test_sleep_frees_device_memory_and_wake_restores_it(models):
     engine = _engine(models["qwen3"])
     before = engine.generate(PROMPTS, GREEDY)

@@ -45,8 +45,8 @@ def kv_cache_bytes(total: int, free: int, utilization: float, own: int, activati
 
     As vLLM counts ``gpu_memory_utilization``, the share is this engine's:
     its weights and buffers (``own``) and its peak activations come out of it,
-    and what other processes hold (a colocated trainer, another engine) is
-    theirs. The cache and the activations' peak must fit in what is ``free``.
+    and what the rest of its process and other processes hold (a colocated
+    trainer, another engine) is theirs. The cache and the activations' peak must fit in what is ``free``.
     """
     share = int(total * utilization)
     budget = share - own - activations
@@ -57,8 +57,8 @@ def kv_cache_bytes(total: int, free: int, utilization: float, own: int, activati
     if budget > free - activations:
         raise ValueError(f"gpu_memory_utilization={utilization} asks for {budget / GiB:.2f} GiB of KV cache, but the "
                          f"device has {max(free - activations, 0) / GiB:.2f} GiB free beside this engine's peak "
-                         f"activations (other processes hold {max(total - free - own, 0) / GiB:.2f} GiB); expected a "
-                         f"smaller share, or free the device")  # fmt: skip
+                         f"activations (the rest of this process and others hold "
+                         f"{max(total - free - own, 0) / GiB:.2f} GiB); expected a smaller share, or free the device")  # fmt: skip
     return budget
 
 
@@ -159,6 +159,8 @@ class ModelRunner:
         spec = config.spec
         self.device = config.device
         self.block_size = config.block_size
+        # What the process's allocator held before this engine: the rest is the engine's own (_profile_num_blocks).
+        self._allocated_before = torch.cuda.memory_allocated(self.device) if self.device.type == "cuda" else 0
         self.model = CausalLM(spec, config.hf_config, config.max_model_len, config.dtype, self.device)
         load_checkpoint(self.model, config.model_path, self.device)
         self.sampler = Sampler(config.eos_token_ids, self.device, config.logprobs_mode == "processed_logprobs")
@@ -230,8 +232,9 @@ class ModelRunner:
         torch.cuda.empty_cache()  # the prefill's activations back to the device, so that they count as free
         free, total = torch.cuda.mem_get_info(self.device)
         stats = torch.cuda.memory_stats(self.device)
-        own = stats["allocated_bytes.all.current"]
-        activations = stats["allocated_bytes.all.peak"] - own
+        current = stats["allocated_bytes.all.current"]
+        own = current - self._allocated_before  # not what the process held before: other engines, a trainer
+        activations = stats["allocated_bytes.all.peak"] - current
         budget = kv_cache_bytes(total, free, self.config.gpu_memory_utilization, own, activations)
         return self._check_blocks(budget // self.block_bytes)
 
