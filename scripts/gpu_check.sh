@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The GPU machine's checks, in calls of at most 10 minutes each; every log lands in $OUT (else ./gpu-out).
 #
-#   bash scripts/gpu_check.sh tests     # tests/gpu: kernels, native engine, sleep modes, weight sync (~5 min)
+#   bash scripts/gpu_check.sh tests     # tests/gpu in three processes: kernels, engine, sync (~8 min in all);
+#                                       # `tests kernels|engine|sync` runs one of them
 #   bash scripts/gpu_check.sh bench     # sampling.py, fca.py, fca_sweep.py --quick (~8 min)
 #   bash scripts/gpu_check.sh profile   # decode_profile.py, decode_linear.py --chain-only, fca_sweep.py
 #   bash scripts/gpu_check.sh changed   # what the last session changed (the read floor): fca_floor.py's
@@ -38,7 +39,22 @@ if [ "${1:-}" = fingerprint ]; then fingerprint; exit 0; fi
 
 case "${1:-}" in
   tests)
-    step gpu-tests 560 python3 -m pytest -q -p no:cacheprovider -rs tests/gpu --junitxml="$out/gpu-tests.xml"
+    # -v: each test's name and result is in the log as it ends, so a step cut by its limit still says what failed.
+    declare -A parts=(
+      [kernels]="tests/gpu/test_batched_copy_gpu.py tests/gpu/test_cuda_graphs_training_gpu.py
+        tests/gpu/test_decode_linear_gpu.py tests/gpu/test_fca_kernel.py tests/gpu/test_layer_graphs_gpu.py
+        tests/gpu/test_softmax_statistics_gpu.py"
+      [engine]="tests/gpu/test_native_engine_gpu.py tests/gpu/test_sleep_file_sync_gpu.py
+        tests/gpu/test_sleep_modes_gpu.py"
+      [sync]="tests/gpu/test_weight_sync_cuda_ipc_gpu.py tests/gpu/test_weight_sync_coordinator_nccl.py
+        tests/gpu/test_zorro_train_gpu.py"
+    )
+    for part in ${2:-kernels engine sync}; do
+      [ -n "${parts[$part]:-}" ] || { echo "unknown tests part $part: expected kernels, engine or sync" >&2; exit 2; }
+      # shellcheck disable=SC2086  # the part's files are separate words
+      step "gpu-tests-$part" 300 python3 -m pytest -v -p no:cacheprovider --tb=short -rfEs ${parts[$part]} \
+        --junitxml="$out/gpu-tests-$part.xml"
+    done
     ;;
   bench)
     step sampling 170 python3 benchmarks/sampling.py
@@ -72,7 +88,7 @@ case "${1:-}" in
     step fca 130 python3 benchmarks/fca.py
     ;;
   *)
-    echo "usage: bash scripts/gpu_check.sh tests|bench|profile|changed|ncu|fingerprint" >&2
+    echo "usage: bash scripts/gpu_check.sh tests [kernels|engine|sync]|bench|profile|changed|ncu|fingerprint" >&2
     exit 2
     ;;
 esac
