@@ -144,7 +144,7 @@ class SamplingEngineOptions(BaseModel):
     gpu_memory_utilization: float = Field(
         0.5, gt=0.0, le=1.0,
         description="This engine's share of device memory, for its weights, activations and KV cache (as in vLLM: "
-        "what other processes hold is not counted in it).",
+        "what other processes, or this process before the engine started, hold is not counted in it).",
     )  # fmt: skip
     block_size: int = Field(16, ge=1, description="Tokens per KV-cache block.")
     enable_prefix_caching: bool = True
