@@ -156,7 +156,10 @@ def test_an_engine_built_beside_another_gets_the_same_kv_cache(models):
     """The share is the engine's own: memory the process held before it (here, another engine) is not counted."""
     first = _engine(models["qwen2"])
     second = _engine(models["qwen2"])
-    assert second.runner.num_blocks == first.runner.num_blocks
+    # Within one cuBLAS workspace (32 MiB): the first engine's warm-up may create the one both then use.
+    # Counted from the device instead, the second would lose the first's whole share (4 GB on 80 GB).
+    difference = abs(second.runner.num_blocks - first.runner.num_blocks) * first.runner.block_bytes
+    assert difference <= 32 * 2**20 + first.runner.block_bytes  # and the rounding to whole blocks
 
 
 def test_sleep_frees_device_memory_and_wake_restores_it(models):
