@@ -49,6 +49,9 @@ case "${1:-}" in
       [sync]="tests/gpu/test_weight_sync_cuda_ipc_gpu.py tests/gpu/test_weight_sync_coordinator_nccl.py
         tests/gpu/test_zorro_train_gpu.py"
     )
+    for file in tests/gpu/test_*.py; do  # a new test file must join a part, or it would never run here
+      [[ " ${parts[*]} " =~ [[:space:]]$file[[:space:]] ]] || { echo "$file is in no tests part" >&2; exit 2; }
+    done
     for part in ${2:-kernels engine sync}; do
       [ -n "${parts[$part]:-}" ] || { echo "unknown tests part $part: expected kernels, engine or sync" >&2; exit 2; }
       # shellcheck disable=SC2086  # the part's files are separate words
