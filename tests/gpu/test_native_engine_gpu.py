@@ -24,14 +24,6 @@ def models(tmp_path_factory):
     return {family: build_tiny_model(root / family, TinySpec(family=family)) for family in ("qwen2", "qwen3", "llama")}
 
 
-@pytest.fixture(autouse=True)
-def _release_engines():
-    """Each engine takes its share of the device as measured when built, so the last test's must be gone."""
-    yield
-    gc.collect()
-    torch.cuda.empty_cache()
-
-
 def _engine(path, **options) -> NativeEngine:
     # 0.05 of the device for the engine's weights, activations and KV cache. Memory outside PyTorch's allocator
     # (the CUDA context, kernels the tests before loaded, other processes) is not counted in it (kv_cache_bytes).
@@ -115,7 +107,7 @@ def test_fca_with_plans_balanced_over_the_kernels_lanes_agrees_with_fca_off(mode
     monkeypatch.setattr(model_runner, "plan_decode", recording)
     on = engine.generate(prompts, params)
     assert any(balanced)
-    engine.shutdown()  # the next engine takes its share of the device as measured when built
+    engine.shutdown()  # its memory back to the device before the next engine is built
     del engine
     gc.collect()
     torch.cuda.empty_cache()
