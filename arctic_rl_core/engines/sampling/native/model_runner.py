@@ -46,7 +46,8 @@ def kv_cache_bytes(total: int, free: int, utilization: float, own: int, activati
     As vLLM counts ``gpu_memory_utilization``, the share is this engine's:
     its weights and buffers (``own``) and its peak activations come out of it,
     and what the rest of its process and other processes hold (a colocated
-    trainer, another engine) is theirs. The cache and the activations' peak must fit in what is ``free``.
+    trainer, another engine) is theirs. The cache and the activations' peak
+    must fit in what is ``free``.
     """
     share = int(total * utilization)
     budget = share - own - activations
