@@ -24,13 +24,10 @@ case "${1:-}" in
     [ -d ab/base/arctic_rl_core ] || { echo "no ab/base: run 'bash scripts/gpu_ab.sh prepare REV' here first" >&2; exit 2; }
     out=${OUT:-gpu-out}
     mkdir -p "$out"
-    # Each side imports its own arctic_rl_core: its folder comes first on the path (after the device's wheels).
-    site=/tmp/site
-    for side in base tree; do
-      dir=$PWD
-      [ "$side" = base ] && dir=$PWD/ab/base
-      echo "== $side ($dir)" | tee -a "$out/ab.log"
-      (cd "$dir" && PYTHONPATH=$site:$dir "$@") 2>&1 | tee -a "$out/ab.log"
+    # Each side imports its own arctic_rl_core: its folder comes first on the path (.whl/setup.sh's follows).
+    for dir in "$PWD/ab/base" "$PWD"; do
+      echo "== $dir" | tee -a "$out/ab.log"
+      (cd "$dir" && PYTHONPATH=$dir${PYTHONPATH:+:$PYTHONPATH} "$@") 2>&1 | tee -a "$out/ab.log"
     done
     ;;
   *)
