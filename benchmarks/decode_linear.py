@@ -18,6 +18,12 @@ is what the engine runs: cuBLAS for the shapes ``pick_tiles`` declines.
 ``+norms`` adds the layer's two RMS norm kernels (with their residual adds),
 as programmatic dependents too: its difference from ``ours+pdl`` is the most
 that fusing the norms into the projections could save.
+
+``--chain-sweep`` times the chain as the engine's decode step runs it (each
+norm split between the projections around it: ``into_residual`` and
+``row_norm``) with other tiles for each projection, one projection at a time
+(coordinate descent, two rounds), and prints the fastest set against
+``pick_tiles``' in the same process.
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ import dataclasses
 
 import torch
 import torch.nn.functional as F
+import triton
 from fca import graph_us
 
 from arctic_rl_core.engines.sampling.native import triton_ops
@@ -91,13 +98,78 @@ def chain(model: str, rows: int, layers: int) -> None:
           + f" | max |diff| {diff:.1e}", flush=True)  # fmt: skip
 
 
-def sweep_tiles(rows: int, n: int, k: int) -> list[LinearTiles]:
+def engine_chain_us(model: str, rows: int, layers: int, tiles: dict[str, LinearTiles], weights) -> float:
+    """Microseconds per layer of the engine's chain: q/k/v (``row_norm``), o (``into_residual``), gate/up
+    (``row_norm``), down (``into_residual``), each a programmatic dependent, with these ``tiles`` by name."""
+    device = torch.device("cuda")
+    hidden = dict((name, n) for m, name, n, _, _ in SHAPES if m == model)["o"]
+    block_m = max(16, triton.next_power_of_2(rows))
+    residual = torch.zeros(rows, hidden, device=device, dtype=torch.bfloat16)
+    norm_weight = torch.ones(hidden, device=device, dtype=torch.bfloat16)
+    # The first q/k/v's input: rows of ones, their sums of squares as one part (rms 1).
+    state = [torch.ones(rows, hidden, device=device, dtype=torch.bfloat16),
+             torch.full((1, block_m), float(hidden), device=device)]  # fmt: skip
+
+    def step(i):
+        w = weights[i]
+        x, squares = state
+        qkv = decode_linear(x, w["qkv"], tiles=tiles["qkv"], pdl=True, row_norm=(squares, 1e-6))
+        x, squares = decode_linear(qkv[:, :hidden], w["o"], tiles=tiles["o"], pdl=True,
+                                   into_residual=(residual, norm_weight))  # fmt: skip
+        act = decode_linear(x, w["gate_up"], gated=True, tiles=tiles["gate_up"], pdl=True, row_norm=(squares, 1e-6))
+        state[:] = decode_linear(act, w["down"], tiles=tiles["down"], pdl=True, into_residual=(residual, norm_weight))
+
+    return graph_us(step, layers, replays=20)
+
+
+def chain_sweep(model: str, rows: int, layers: int) -> None:
+    """``engine_chain_us`` with each projection's other tiles, one projection at a time, two rounds."""
+    device = torch.device("cuda")
+    sms = num_sms(device)
+    shapes = {name: (n, k, gated) for m, name, n, k, gated in SHAPES if m == model}
+    weights = [{name: torch.randn((2 * n if gated else n), k, device=device, dtype=torch.bfloat16) * 0.02
+                for name, (n, k, gated) in shapes.items()} for _ in range(layers)]  # fmt: skip
+    default = {name: pick_tiles(rows, n, k, sms, gated, block_n=64 if name == "qkv" else None)
+               for name, (n, k, gated) in shapes.items()}  # fmt: skip
+    if None in default.values():
+        print(f"{model} rows {rows}: cuBLAS takes some projections; no chain sweep", flush=True)
+        return
+    best, best_us = dict(default), engine_chain_us(model, rows, layers, default, weights)
+    base_us = best_us
+    for _ in range(2):
+        for name, (n, k, gated) in shapes.items():
+            for t in sweep_tiles(rows, n, k, gated, (64,) if name == "qkv" else (16, 32, 64), stages=None):
+                if t == best[name]:
+                    continue
+                trial = {**best, name: t}
+                us = engine_chain_us(model, rows, layers, trial, weights)
+                if us < best_us:
+                    best, best_us = trial, us
+    # Once more each, one after the other: the two sets' figures from the same stretch of the run.
+    again = [engine_chain_us(model, rows, layers, tiles, weights) for tiles in (default, best, default, best)]
+    layer_bytes = sum(w.numel() * 2 for w in weights[0].values())
+    print(f"{model:10s} engine chain, rows {rows:2d}, {layers} layers | pick_tiles {base_us:5.1f} us, again "
+          f"{again[0]:5.1f} / {again[2]:5.1f} | best {best_us:5.1f} us, again {again[1]:5.1f} / {again[3]:5.1f} "
+          f"({layer_bytes / min(again[1], again[3]) / 1e6:.2f} TB/s)", flush=True)  # fmt: skip
+    for name in shapes:
+        mark = "" if best[name] == default[name] else "   <- changed"
+        print(f"    {name:7s} pick_tiles {dataclasses.astuple(default[name])}  best {dataclasses.astuple(best[name])}{mark}",
+              flush=True)  # fmt: skip
+
+
+def sweep_tiles(
+    rows: int, n: int, k: int, gated: bool = False, block_ns: tuple[int, ...] = (16, 32, 64), stages=(3, 5)
+) -> list[LinearTiles]:
+    """Other tiles for one projection: output tiles of ``block_ns``, K split 1-16 ways, ``stages`` stages
+    (None: as many as ``pick_tiles`` would fit)."""
     out = []
-    for block_n in (16, 32, 64):
-        for split_k in (1, 2, 4, 8):
-            for stages in (3, 5):
-                if k // 128 >= split_k:
-                    out.append(LinearTiles(block_n, 128, split_k, 4, stages))
+    for block_n in block_ns:
+        for split_k in (1, 2, 4, 8, 16):
+            if n % block_n or k // 128 < split_k:
+                continue
+            fit = pick_tiles(rows, n, k, 1, gated, block_n=block_n)
+            for s in stages if stages else (fit.stages,):
+                out.append(LinearTiles(block_n, 128, split_k, 4, s))
     return out
 
 
@@ -106,10 +178,15 @@ def main() -> None:
     parser.add_argument("--sweep", action="store_true", help="also time other tile shapes")
     parser.add_argument("--model", default=None, help="only this model's shapes")
     parser.add_argument("--chain-only", action="store_true", help="only the back-to-back projection chains")
+    parser.add_argument("--chain-sweep", action="store_true", help="only the engine's chain, with other tiles")
     args = parser.parse_args()
     device = torch.device("cuda")
     sms = num_sms(device)
     print(f"device: {torch.cuda.get_device_name()}, {sms} SMs; bf16; weights cold in L2")
+    if args.chain_sweep:
+        for rows in (16, 64):
+            chain_sweep(args.model or "qwen2-0.5b", rows, 24)
+        return
     for model, layers in (("qwen2-0.5b", 24), ("qwen2.5-7b", 4)):
         if not args.model or model == args.model:
             for rows in ROWS:
