@@ -1,6 +1,9 @@
 """FCA kernel variants side by side on one GPU: attend and merge times per case, and exactness against plain.
 
-python benchmarks/fca_sweep.py [--quick]
+python benchmarks/fca_sweep.py [--quick | --suffixes]
+
+``--suffixes`` times the default alone over 8K shared prefixes with shorter
+suffixes (256, 64, 1 positions): what the per-request suffix units cost.
 """
 
 from __future__ import annotations
@@ -101,10 +104,20 @@ def measure(batch: dict, tiles: TileShape, target: int) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--suffixes", action="store_true", help="the default with suffixes of 256, 64 and 1")
     args = parser.parse_args()
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    batches = {label: paged_batch(g, per, 8192, 256) for label, g, per in CASES}
     print(f"device: {torch.cuda.get_device_name()}, {sms} SMs")
+    if args.suffixes:
+        target = 4 * sms // KV_HEADS
+        for label, groups, per_group in CASES:
+            for suffix in (256, 64, 1, 256):
+                r = measure(paged_batch(groups, per_group, 8192, suffix), TileShape(GROUP), target)
+                print(f"{label} prefix 8192 suffix {suffix:3d}: fca {r['fca']:5.1f} (even {r['even']:5.1f}) "
+                      f"attend {r['attend']:5.1f} plain {r['plain']:5.1f} items {r['items']:>7s} "
+                      f"diff {r['diff']:.1e}", flush=True)  # fmt: skip
+        return
+    batches = {label: paged_batch(g, per, 8192, 256) for label, g, per in CASES}
     for tiles, factor in variants(args.quick):
         target = int(factor * 4 * sms // KV_HEADS)
         start = time.perf_counter()
