@@ -30,6 +30,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -122,8 +124,9 @@ def engine_chain_us(model: str, rows: int, layers: int, tiles: dict[str, LinearT
     return graph_us(step, layers, replays=20)
 
 
-def chain_sweep(model: str, rows: int, layers: int) -> None:
-    """``engine_chain_us`` with each projection's other tiles, one projection at a time, two rounds."""
+def chain_sweep(model: str, rows: int, layers: int) -> dict[str, LinearTiles]:
+    """``engine_chain_us`` with each projection's other tiles, one projection at a time, two rounds: the fastest
+    set found, by projection name."""
     device = torch.device("cuda")
     sms = num_sms(device)
     shapes = {name: (n, k, gated) for m, name, n, k, gated in SHAPES if m == model}
@@ -133,7 +136,7 @@ def chain_sweep(model: str, rows: int, layers: int) -> None:
                for name, (n, k, gated) in shapes.items()}  # fmt: skip
     if None in default.values():
         print(f"{model} rows {rows}: cuBLAS takes some projections; no chain sweep", flush=True)
-        return
+        return default
     best, best_us = dict(default), engine_chain_us(model, rows, layers, default, weights)
     base_us = best_us
     for _ in range(2):
@@ -155,6 +158,7 @@ def chain_sweep(model: str, rows: int, layers: int) -> None:
         mark = "" if best[name] == default[name] else "   <- changed"
         print(f"    {name:7s} pick_tiles {dataclasses.astuple(default[name])}  best {dataclasses.astuple(best[name])}{mark}",
               flush=True)  # fmt: skip
+    return best
 
 
 def sweep_tiles(
@@ -179,13 +183,18 @@ def main() -> None:
     parser.add_argument("--model", default=None, help="only this model's shapes")
     parser.add_argument("--chain-only", action="store_true", help="only the back-to-back projection chains")
     parser.add_argument("--chain-sweep", action="store_true", help="only the engine's chain, with other tiles")
+    parser.add_argument("--sweep-json", help="--chain-sweep: also write the fastest tiles here, by rows and name")
     args = parser.parse_args()
     device = torch.device("cuda")
     sms = num_sms(device)
     print(f"device: {torch.cuda.get_device_name()}, {sms} SMs; bf16; weights cold in L2")
     if args.chain_sweep:
+        found = {}
         for rows in (16, 64):
-            chain_sweep(args.model or "qwen2-0.5b", rows, 24)
+            best = chain_sweep(args.model or "qwen2-0.5b", rows, 24)
+            found[rows] = {name: dataclasses.asdict(t) for name, t in best.items()}
+            if args.sweep_json:  # after each, so that a run cut short keeps what it found
+                Path(args.sweep_json).write_text(json.dumps(found, indent=1))
         return
     for model, layers in (("qwen2-0.5b", 24), ("qwen2.5-7b", 4)):
         if not args.model or model == args.model:
