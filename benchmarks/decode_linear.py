@@ -161,6 +161,22 @@ def chain_sweep(model: str, rows: int, layers: int) -> dict[str, LinearTiles]:
     return best
 
 
+def swept_pick_tiles(path: str | Path):
+    """``pick_tiles`` as the engine calls it, but with the tiles a ``--sweep-json`` file found for Qwen2-0.5B's
+    projections: batches of up to 16 rows take the 16-row set, larger ones the 64-row set."""
+    found = json.loads(Path(path).read_text())
+    names = {(n, k, gated): name for m, name, n, k, gated in SHAPES if m == "qwen2-0.5b"}
+
+    def pick(rows, n, k, num_sms, gated=False, block_n=None):
+        tiles = pick_tiles(rows, n, k, num_sms, gated, block_n)
+        name, bucket = names.get((n, k, gated)), "16" if rows <= 16 else "64"
+        if tiles is None or name is None or bucket not in found:
+            return tiles
+        return LinearTiles(**found[bucket][name])
+
+    return pick
+
+
 def sweep_tiles(
     rows: int, n: int, k: int, gated: bool = False, block_ns: tuple[int, ...] = (16, 32, 64), stages=(3, 5)
 ) -> list[LinearTiles]:

@@ -1,7 +1,7 @@
 """Forest Cascade Attention on one GPU: the fused kernel vs plain attention on the same KV, then end to end.
 
     python benchmarks/fca.py [--skip-e2e] [--even-chunks] [--tiles int32_offsets=0,wide_maxnreg=168]
-                             [--shape qwen2.5-7b|llama-3-8b]
+                             [--shape qwen2.5-7b|llama-3-8b] [--linear-tiles tiles.json]
 
 (Kernel variants side by side: ``benchmarks/fca_sweep.py``.)
 
@@ -22,7 +22,9 @@ is read again, as in a real model.
 End to end: the native engine's rollout time with FCA on vs off, at G=16
 completions of one 8192-token prompt, 512 new tokens each, on a
 Qwen2-0.5B-shaped model with random bf16 weights; and how far the bf16
-log-probs of the two runs differ.
+log-probs of the two runs differ. ``--linear-tiles`` runs it again with the
+decoder's projections in the tiles ``decode_linear.py --chain-sweep
+--sweep-json tiles.json`` found.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ import dataclasses
 import tempfile
 import time
 from pathlib import Path
+from unittest import mock
 
 import torch
 import torch.nn.functional as F
@@ -350,6 +353,8 @@ def main() -> None:
     parser.add_argument("--even-chunks", action="store_true", help="end to end without plans balanced over lanes")
     parser.add_argument("--model-dir", type=Path, default=Path(tempfile.gettempdir()) / "qwen2-0.5b-random")
     parser.add_argument("--tiles", default="", help="TileShape changes to time, as name=value,... (bools as 0/1)")
+    parser.add_argument("--linear-tiles", help="end to end also with the projection tiles of decode_linear.py "
+                        "--sweep-json's file, after pick_tiles' (same process)")  # fmt: skip
     parser.add_argument("--shape", choices=SHAPES, default="qwen2-0.5b",
                         help="the kernels at this model's attention (any other than the default skips the end to end)")  # fmt: skip
     args = parser.parse_args()
@@ -359,8 +364,20 @@ def main() -> None:
     if not args.skip_kernels:
         kernel_benchmark(tiles, shape)
     if not args.skip_e2e and shape == QWEN2_05B:
-        e2e_benchmark(args.model_dir, group=16, prompt_len=8192, new_tokens=512, tiles=tiles,
-                      replan=args.replan_every_step, sync=args.sync_scheduling, even_chunks=args.even_chunks)  # fmt: skip
+
+        def e2e():
+            e2e_benchmark(args.model_dir, group=16, prompt_len=8192, new_tokens=512, tiles=tiles,
+                          replan=args.replan_every_step, sync=args.sync_scheduling, even_chunks=args.even_chunks)  # fmt: skip
+
+        e2e()
+        if args.linear_tiles:
+            from decode_linear import swept_pick_tiles
+
+            from arctic_rl_core.engines.sampling.native import decode_linear
+
+            print(f"\n[the same, with the projection tiles of {args.linear_tiles}]")
+            with mock.patch.object(decode_linear, "pick_tiles", swept_pick_tiles(args.linear_tiles)):
+                e2e()
 
 
 if __name__ == "__main__":
