@@ -200,13 +200,14 @@ def main() -> None:
     parser.add_argument("--chain-only", action="store_true", help="only the back-to-back projection chains")
     parser.add_argument("--chain-sweep", action="store_true", help="only the engine's chain, with other tiles")
     parser.add_argument("--sweep-json", help="--chain-sweep: also write the fastest tiles here, by rows and name")
+    parser.add_argument("--rows", type=int, nargs="+", default=[16, 64], help="--chain-sweep's batch rows")
     args = parser.parse_args()
     device = torch.device("cuda")
     sms = num_sms(device)
     print(f"device: {torch.cuda.get_device_name()}, {sms} SMs; bf16; weights cold in L2")
     if args.chain_sweep:
         found = {}
-        for rows in (16, 64):
+        for rows in args.rows:
             best = chain_sweep(args.model or "qwen2-0.5b", rows, 24)
             found[rows] = {name: dataclasses.asdict(t) for name, t in best.items()}
             if args.sweep_json:  # after each, so that a run cut short keeps what it found
