@@ -10,6 +10,9 @@
 #   bash scripts/gpu_check.sh ncu       # Nsight Compute's counters for the FCA kernels (4x16 and 1x16, 64- and
 #                                       # 128-row tiles): ncu-*.txt details, ncu-*-sass.csv stall samples per
 #                                       # instruction; then fca.py
+#   bash scripts/gpu_check.sh tiles     # the projection chain with other tiles (decode_linear.py --chain-sweep),
+#                                       # the end to end with the tiles it found, then what the FCA suffix units
+#                                       # cost (fca_sweep.py --suffixes) (~8 min)
 #   bash scripts/gpu_check.sh fingerprint  # the code fingerprint summary.txt records, for this tree
 #
 # On the device machine, from the project root: `source .whl/setup.sh && bash scripts/gpu_check.sh tests`.
@@ -74,6 +77,11 @@ case "${1:-}" in
     step fca-qwen2.5-7b 120 python3 benchmarks/fca.py --skip-e2e --shape qwen2.5-7b
     step fca 150 python3 benchmarks/fca.py
     ;;
+  tiles)
+    step chain-sweep 200 python3 benchmarks/decode_linear.py --chain-sweep --sweep-json "$out/tiles.json"
+    step e2e-linear-tiles 230 python3 benchmarks/fca.py --skip-kernels --linear-tiles "$out/tiles.json"
+    step fca-suffixes 60 python3 benchmarks/fca_sweep.py --suffixes
+    ;;
   ncu)
     ncu=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | tail -1)
     for case in 4x16 1x16; do
@@ -91,7 +99,7 @@ case "${1:-}" in
     step fca 130 python3 benchmarks/fca.py
     ;;
   *)
-    echo "usage: bash scripts/gpu_check.sh tests [kernels|engine|sync]|bench|profile|changed|ncu|fingerprint" >&2
+    echo "usage: bash scripts/gpu_check.sh tests [kernels|engine|sync]|bench|profile|changed|tiles|ncu|fingerprint" >&2
     exit 2
     ;;
 esac
