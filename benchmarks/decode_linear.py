@@ -145,7 +145,11 @@ def chain_sweep(model: str, rows: int, layers: int) -> dict[str, LinearTiles]:
                 if t == best[name]:
                     continue
                 trial = {**best, name: t}
-                us = engine_chain_us(model, rows, layers, trial, weights)
+                try:
+                    us = engine_chain_us(model, rows, layers, trial, weights)
+                except Exception as e:  # a set that fails to compile or run is reported, not fatal
+                    print(f"    {name} {dataclasses.astuple(t)}: {type(e).__name__}: {str(e)[:120]}", flush=True)
+                    continue
                 if us < best_us:
                     best, best_us = trial, us
     # Once more each, one after the other: the two sets' figures from the same stretch of the run.
