@@ -52,16 +52,24 @@ SHAPES = (
     ("qwen2.5-7b", "gate_up", 18944, 3584, True),
     ("qwen2.5-7b", "down", 3584, 18944, False),
 )
+# Each model's head dimension: its q/k/v projection's tiles are one head wide (the rotary epilogue's).
+HEAD_DIM = {"qwen2-0.5b": 64, "qwen2.5-7b": 128}
 ROWS = (1, 16, 64)
 COLD_BYTES = 512 << 20  # several times an H200's 50 MB of L2
+
+
+def layer_weights(model: str, layers: int) -> tuple[dict[str, tuple[int, int, bool]], list[dict[str, torch.Tensor]]]:
+    """``model``'s projection shapes by name, and ``layers`` layers' own random bf16 weights for them."""
+    shapes = {name: (n, k, gated) for m, name, n, k, gated in SHAPES if m == model}
+    weights = [{name: torch.randn((2 * n if gated else n), k, device="cuda", dtype=torch.bfloat16) * 0.02
+                for name, (n, k, gated) in shapes.items()} for _ in range(layers)]  # fmt: skip
+    return shapes, weights
 
 
 def chain(model: str, rows: int, layers: int) -> None:
     """A layer's projections back to back over ``layers`` layers' weights: microseconds per layer, three ways."""
     device = torch.device("cuda")
-    shapes = {name: (n, k, gated) for m, name, n, k, gated in SHAPES if m == model}
-    weights = [{name: torch.randn((2 * n if gated else n), k, device=device, dtype=torch.bfloat16) * 0.02
-                for name, (n, k, gated) in shapes.items()} for _ in range(layers)]  # fmt: skip
+    shapes, weights = layer_weights(model, layers)
     hidden = shapes["o"][0]
     x0 = torch.randn(rows, hidden, device=device, dtype=torch.bfloat16)
     layer_bytes = sum(w.numel() * 2 for w in weights[0].values())
@@ -100,11 +108,12 @@ def chain(model: str, rows: int, layers: int) -> None:
           + f" | max |diff| {diff:.1e}", flush=True)  # fmt: skip
 
 
-def engine_chain_us(model: str, rows: int, layers: int, tiles: dict[str, LinearTiles], weights) -> float:
-    """Microseconds per layer of the engine's chain: q/k/v (``row_norm``), o (``into_residual``), gate/up
-    (``row_norm``), down (``into_residual``), each a programmatic dependent, with these ``tiles`` by name."""
+def engine_chain_us(rows: int, tiles: dict[str, LinearTiles], weights: list[dict[str, torch.Tensor]]) -> float:
+    """Microseconds per layer of the engine's chain over ``weights`` (``layer_weights``): q/k/v (``row_norm``), o
+    (``into_residual``), gate/up (``row_norm``), down (``into_residual``), each a programmatic dependent, with these
+    ``tiles`` by name."""
     device = torch.device("cuda")
-    hidden = dict((name, n) for m, name, n, _, _ in SHAPES if m == model)["o"]
+    hidden = weights[0]["o"].shape[0]
     block_m = max(16, triton.next_power_of_2(rows))
     residual = torch.zeros(rows, hidden, device=device, dtype=torch.bfloat16)
     norm_weight = torch.ones(hidden, device=device, dtype=torch.bfloat16)
@@ -121,39 +130,37 @@ def engine_chain_us(model: str, rows: int, layers: int, tiles: dict[str, LinearT
         act = decode_linear(x, w["gate_up"], gated=True, tiles=tiles["gate_up"], pdl=True, row_norm=(squares, 1e-6))
         state[:] = decode_linear(act, w["down"], tiles=tiles["down"], pdl=True, into_residual=(residual, norm_weight))
 
-    return graph_us(step, layers, replays=20)
+    return graph_us(step, len(weights), replays=20)
 
 
-def chain_sweep(model: str, rows: int, layers: int) -> dict[str, LinearTiles]:
+def chain_sweep(model: str, rows: int, layers: int) -> dict[str, LinearTiles] | None:
     """``engine_chain_us`` with each projection's other tiles, one projection at a time, two rounds: the fastest
-    set found, by projection name."""
-    device = torch.device("cuda")
-    sms = num_sms(device)
-    shapes = {name: (n, k, gated) for m, name, n, k, gated in SHAPES if m == model}
-    weights = [{name: torch.randn((2 * n if gated else n), k, device=device, dtype=torch.bfloat16) * 0.02
-                for name, (n, k, gated) in shapes.items()} for _ in range(layers)]  # fmt: skip
-    default = {name: pick_tiles(rows, n, k, sms, gated, block_n=64 if name == "qkv" else None)
+    set found, by projection name (None where cuBLAS takes some projection, so there is no chain to sweep)."""
+    sms = num_sms(torch.device("cuda"))
+    shapes, weights = layer_weights(model, layers)
+    head = HEAD_DIM[model]
+    default = {name: pick_tiles(rows, n, k, sms, gated, block_n=head if name == "qkv" else None)
                for name, (n, k, gated) in shapes.items()}  # fmt: skip
     if None in default.values():
         print(f"{model} rows {rows}: cuBLAS takes some projections; no chain sweep", flush=True)
-        return default
-    best, best_us = dict(default), engine_chain_us(model, rows, layers, default, weights)
+        return None
+    best, best_us = dict(default), engine_chain_us(rows, default, weights)
     base_us = best_us
     for _ in range(2):
         for name, (n, k, gated) in shapes.items():
-            for t in sweep_tiles(rows, n, k, gated, (64,) if name == "qkv" else (16, 32, 64), stages=None):
+            for t in sweep_tiles(rows, n, k, gated, (head,) if name == "qkv" else (16, 32, 64), stages=None):
                 if t == best[name]:
                     continue
                 trial = {**best, name: t}
                 try:
-                    us = engine_chain_us(model, rows, layers, trial, weights)
+                    us = engine_chain_us(rows, trial, weights)
                 except Exception as e:  # a set that fails to compile or run is reported, not fatal
                     print(f"    {name} {dataclasses.astuple(t)}: {type(e).__name__}: {str(e)[:120]}", flush=True)
                     continue
                 if us < best_us:
                     best, best_us = trial, us
     # Once more each, one after the other: the two sets' figures from the same stretch of the run.
-    again = [engine_chain_us(model, rows, layers, tiles, weights) for tiles in (default, best, default, best)]
+    again = [engine_chain_us(rows, tiles, weights) for tiles in (default, best, default, best)]
     layer_bytes = sum(w.numel() * 2 for w in weights[0].values())
     print(f"{model:10s} engine chain, rows {rows:2d}, {layers} layers | pick_tiles {base_us:5.1f} us, again "
           f"{again[0]:5.1f} / {again[2]:5.1f} | best {best_us:5.1f} us, again {again[1]:5.1f} / {again[3]:5.1f} "
@@ -213,6 +220,8 @@ def main() -> None:
         found = {}
         for rows in args.rows:
             best = chain_sweep(args.model or "qwen2-0.5b", rows, 24)
+            if best is None:
+                continue
             found[rows] = {name: dataclasses.asdict(t) for name, t in best.items()}
             if args.sweep_json:  # after each, so that a run cut short keeps what it found
                 Path(args.sweep_json).write_text(json.dumps(found, indent=1))

@@ -101,6 +101,12 @@ def measure(batch: dict, tiles: TileShape, target: int) -> dict:
     return result
 
 
+def describe(r: dict) -> str:
+    """One ``measure`` result on a line: microseconds per layer, the plan's items, FCA's difference from plain."""
+    return (f"fca {r['fca']:5.1f} (even {r['even']:5.1f}) attend {r['attend']:5.1f} plain {r['plain']:5.1f} "
+            f"items {r['items']:>7s} diff {r['diff']:.1e}")  # fmt: skip
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true")
@@ -113,9 +119,7 @@ def main() -> None:
         for label, groups, per_group in CASES:
             for suffix in (256, 64, 1, 256):
                 r = measure(paged_batch(groups, per_group, 8192, suffix), TileShape(GROUP), target)
-                print(f"{label} prefix 8192 suffix {suffix:3d}: fca {r['fca']:5.1f} (even {r['even']:5.1f}) "
-                      f"attend {r['attend']:5.1f} plain {r['plain']:5.1f} items {r['items']:>7s} "
-                      f"diff {r['diff']:.1e}", flush=True)  # fmt: skip
+                print(f"{label} prefix 8192 suffix {suffix:3d}: {describe(r)}", flush=True)
         return
     batches = {label: paged_batch(g, per, 8192, 256) for label, g, per in CASES}
     for tiles, factor in variants(args.quick):
@@ -125,10 +129,7 @@ def main() -> None:
         cells = []
         for label, batch in batches.items():
             try:
-                r = measure(batch, tiles, target)
-                cells.append(f"{label}: fca {r['fca']:5.1f} (even {r['even']:5.1f}) attend {r['attend']:5.1f} "
-                             f"plain {r['plain']:5.1f} "
-                             f"items {r['items']:>7s} diff {r['diff']:.1e}")  # fmt: skip
+                cells.append(f"{label}: {describe(measure(batch, tiles, target))}")
             except Exception as e:  # a variant that fails to compile or run is reported, not fatal
                 cells.append(f"{label}: {type(e).__name__}: {str(e)[:120]}")
         print(f"rows {tiles.wide_rows:3d} w{tiles.wide_warps} bn {tiles.block_n:3d} st {tiles.stages} "
