@@ -13,6 +13,8 @@
 #   bash scripts/gpu_check.sh tiles     # the projection chain with other tiles (decode_linear.py --chain-sweep),
 #                                       # the end to end with the tiles it found, then what the FCA suffix units
 #                                       # cost (fca_sweep.py --suffixes) (~8 min)
+#   bash scripts/gpu_check.sh short     # for a call with little device time left (~4 min): the engine's memory
+#                                       # share tests, then the projection chain sweep at 16 rows
 #   bash scripts/gpu_check.sh fingerprint  # the code fingerprint summary.txt records, for this tree
 #
 # On the device machine, from the project root: `source .whl/setup.sh && bash scripts/gpu_check.sh tests`.
@@ -82,6 +84,11 @@ case "${1:-}" in
     step e2e-linear-tiles 230 python3 benchmarks/fca.py --skip-kernels --linear-tiles "$out/tiles.json"
     step fca-suffixes 60 python3 benchmarks/fca_sweep.py --suffixes
     ;;
+  short)
+    step engine-memory 140 python3 -m pytest -v -p no:cacheprovider --tb=short -rfEs tests/gpu/test_native_engine_gpu.py \
+      -k "projection_kernels or beside_another or sleep_frees" --junitxml="$out/engine-memory.xml"
+    step chain-sweep-16 110 python3 benchmarks/decode_linear.py --chain-sweep --rows 16 --sweep-json "$out/tiles.json"
+    ;;
   ncu)
     ncu=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | tail -1)
     for case in 4x16 1x16; do
@@ -99,7 +106,7 @@ case "${1:-}" in
     step fca 130 python3 benchmarks/fca.py
     ;;
   *)
-    echo "usage: bash scripts/gpu_check.sh tests [kernels|engine|sync]|bench|profile|changed|tiles|ncu|fingerprint" >&2
+    echo "usage: bash scripts/gpu_check.sh tests [kernels|engine|sync]|bench|profile|changed|tiles|short|ncu|fingerprint" >&2
     exit 2
     ;;
 esac
