@@ -34,6 +34,13 @@ step() {  # step NAME LIMIT_S COMMAND...
   printf '%-22s rc %3d  %4d s  %s\n' "$name" "$rc" "$((SECONDS - start))" "$*" | tee -a "$out/summary.txt"
 }
 
+# -v: each test's name and result is in the log as it ends, so a step cut by its limit still says what failed.
+pytest_step() {  # pytest_step NAME LIMIT_S PYTEST_ARGS...
+  local name=$1 limit=$2
+  shift 2
+  step "$name" "$limit" python3 -m pytest -v -p no:cacheprovider --tb=short -rfEs "$@" --junitxml="$out/$name.xml"
+}
+
 # The device's copy of .git may lag the working tree it runs, so the code itself is fingerprinted too:
 # `bash scripts/gpu_check.sh fingerprint` here prints the same line for a local tree.
 fingerprint() { echo "code $(find arctic_rl_core benchmarks tests/gpu -name '*.py' | LC_ALL=C sort | xargs cat | sha1sum | cut -c1-12)"; }
@@ -44,7 +51,6 @@ if [ "${1:-}" = fingerprint ]; then fingerprint; exit 0; fi
 
 case "${1:-}" in
   tests)
-    # -v: each test's name and result is in the log as it ends, so a step cut by its limit still says what failed.
     declare -A parts=(
       [kernels]="tests/gpu/test_batched_copy_gpu.py tests/gpu/test_cuda_graphs_training_gpu.py
         tests/gpu/test_decode_linear_gpu.py tests/gpu/test_fca_kernel.py tests/gpu/test_layer_graphs_gpu.py
@@ -60,8 +66,7 @@ case "${1:-}" in
     for part in ${2:-kernels engine sync}; do
       [ -n "${parts[$part]:-}" ] || { echo "unknown tests part $part: expected kernels, engine or sync" >&2; exit 2; }
       # shellcheck disable=SC2086  # the part's files are separate words
-      step "gpu-tests-$part" 300 python3 -m pytest -v -p no:cacheprovider --tb=short -rfEs ${parts[$part]} \
-        --junitxml="$out/gpu-tests-$part.xml"
+      pytest_step "gpu-tests-$part" 300 ${parts[$part]}
     done
     ;;
   bench)
@@ -85,8 +90,7 @@ case "${1:-}" in
     step fca-suffixes 60 python3 benchmarks/fca_sweep.py --suffixes
     ;;
   short)
-    step engine-memory 140 python3 -m pytest -v -p no:cacheprovider --tb=short -rfEs tests/gpu/test_native_engine_gpu.py \
-      -k "projection_kernels or beside_another or sleep_frees" --junitxml="$out/engine-memory.xml"
+    pytest_step engine-memory 140 tests/gpu/test_native_engine_gpu.py -k "projection_kernels or beside_another or sleep_frees"
     step chain-sweep-16 110 python3 benchmarks/decode_linear.py --chain-sweep --rows 16 --sweep-json "$out/tiles.json"
     ;;
   ncu)
