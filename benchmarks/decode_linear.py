@@ -19,6 +19,10 @@ is what the engine runs: cuBLAS for the shapes ``pick_tiles`` declines.
 as programmatic dependents too: its difference from ``ours+pdl`` is the most
 that fusing the norms into the projections could save.
 
+``--chain-parts`` prints what each projection adds to that chain, next to
+its weights' read time, and what the chain's launches take with no work in
+them: whether the chain's time over its weights' read is launches or reads.
+
 ``--chain-sweep`` times the chain as the engine's decode step runs it (each
 norm split between the projections around it: ``into_residual`` and
 ``row_norm``) with other tiles for each projection, one projection at a time
@@ -37,6 +41,8 @@ import torch
 import torch.nn.functional as F
 import triton
 from fca import graph_us
+from sampling import copy_bandwidth
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from arctic_rl_core.engines.sampling.native import triton_ops
 from arctic_rl_core.engines.sampling.native.decode_linear import LinearTiles, decode_linear, num_sms, pick_tiles
@@ -108,10 +114,16 @@ def chain(model: str, rows: int, layers: int) -> None:
           + f" | max |diff| {diff:.1e}", flush=True)  # fmt: skip
 
 
-def engine_chain_us(rows: int, tiles: dict[str, LinearTiles], weights: list[dict[str, torch.Tensor]]) -> float:
+CHAIN = ("qkv", "o", "gate_up", "down")
+
+
+def engine_chain_us(
+    rows: int, tiles: dict[str, LinearTiles], weights: list[dict[str, torch.Tensor]], parts: int = len(CHAIN)
+) -> float:
     """Microseconds per layer of the engine's chain over ``weights`` (``layer_weights``): q/k/v (``row_norm``), o
     (``into_residual``), gate/up (``row_norm``), down (``into_residual``), each a programmatic dependent, with these
-    ``tiles`` by name."""
+    ``tiles`` by name; only the first ``parts`` of them (a later layer's q/k/v then reads what the last
+    ``into_residual`` left, or the first input)."""
     device = torch.device("cuda")
     hidden = weights[0]["o"].shape[0]
     block_m = max(16, triton.next_power_of_2(rows))
@@ -125,22 +137,82 @@ def engine_chain_us(rows: int, tiles: dict[str, LinearTiles], weights: list[dict
         w = weights[i]
         x, squares = state
         qkv = decode_linear(x, w["qkv"], tiles=tiles["qkv"], pdl=True, row_norm=(squares, 1e-6))
+        if parts < 2:
+            return
         x, squares = decode_linear(qkv[:, :hidden], w["o"], tiles=tiles["o"], pdl=True,
                                    into_residual=(residual, norm_weight))  # fmt: skip
+        if parts < 3:
+            state[:] = x, squares
+            return
         act = decode_linear(x, w["gate_up"], gated=True, tiles=tiles["gate_up"], pdl=True, row_norm=(squares, 1e-6))
+        if parts < 4:
+            state[:] = x, squares
+            return
         state[:] = decode_linear(act, w["down"], tiles=tiles["down"], pdl=True, into_residual=(residual, norm_weight))
 
     return graph_us(step, len(weights), replays=20)
 
 
+def engine_tiles(model: str, rows: int, shapes: dict[str, tuple[int, int, bool]]) -> dict[str, LinearTiles | None]:
+    """``pick_tiles``' tiles for each of ``shapes`` (``layer_weights``) as the engine picks them: q/k/v one head
+    wide, for its rotary epilogue; None where cuBLAS takes the projection."""
+    sms = num_sms(torch.device("cuda"))
+    return {name: pick_tiles(rows, n, k, sms, gated, block_n=HEAD_DIM[model] if name == "qkv" else None)
+            for name, (n, k, gated) in shapes.items()}  # fmt: skip
+
+
+@triton.jit
+def _empty_dependent(X):
+    """A launch that does nothing but what a programmatic dependent must: wait for the kernel before, release
+    the one after."""
+    gdc_wait()
+    gdc_launch_dependents()
+
+
+def chain_parts(model: str, rows: int, layers: int) -> None:
+    """What each projection adds to the engine's chain (``pick_tiles``' tiles), next to what reading its weights
+    takes at the device's copy bandwidth, and what the chain's launches cost with no work in them: where the
+    chain's time over its weights' read goes, launches or reads."""
+    device = torch.device("cuda")
+    shapes, weights = layer_weights(model, layers)
+    tiles = engine_tiles(model, rows, shapes)
+    if None in tiles.values():
+        print(f"{model} rows {rows}: cuBLAS takes some projections; no chain", flush=True)
+        return
+    bandwidth = copy_bandwidth()
+    # Twice each, the prefixes in turn, so that drift over the run shows as a difference between the rounds.
+    rounds = [[engine_chain_us(rows, tiles, weights, parts) for parts in range(1, len(CHAIN) + 1)] for _ in range(2)]
+    flag = torch.zeros(1, device=device)
+    grids = {}
+    for name, (n, k, _) in shapes.items():  # as decode_linear sizes its launch: no empty K-slices
+        t = tiles[name]
+        k_per_split = triton.cdiv(k // t.block_k, t.split_k) * t.block_k
+        grids[name] = (triton.cdiv(n, t.block_n) * triton.cdiv(k, k_per_split),)
+
+    def empty(i):
+        for name in CHAIN:
+            _empty_dependent[grids[name]](flag, launch_pdl=True)
+
+    floor = graph_us(empty, layers, replays=20)
+    print(f"{model:10s} engine chain, rows {rows:2d}, {layers} layers, copy bandwidth {bandwidth / 1e12:.2f} TB/s; "
+          f"its four launches with no work: {floor:.1f} us per layer", flush=True)  # fmt: skip
+    before = [0.0, 0.0]
+    for parts, name in enumerate(CHAIN):
+        n, k, gated = shapes[name]
+        read_us = (2 if gated else 1) * n * k * 2 / bandwidth * 1e6
+        added = [r[parts] - b for r, b in zip(rounds, before)]
+        before = [r[parts] for r in rounds]
+        print(f"    + {name:7s} {added[0]:5.1f} / {added[1]:5.1f} us (chain {before[0]:5.1f} / {before[1]:5.1f}); "
+              f"its weights read in {read_us:4.1f} us; tiles {dataclasses.astuple(tiles[name])}, "
+              f"{grids[name][0]} programs", flush=True)  # fmt: skip
+
+
 def chain_sweep(model: str, rows: int, layers: int) -> dict[str, LinearTiles] | None:
     """``engine_chain_us`` with each projection's other tiles, one projection at a time, two rounds: the fastest
     set found, by projection name (None where cuBLAS takes some projection, so there is no chain to sweep)."""
-    sms = num_sms(torch.device("cuda"))
     shapes, weights = layer_weights(model, layers)
     head = HEAD_DIM[model]
-    default = {name: pick_tiles(rows, n, k, sms, gated, block_n=head if name == "qkv" else None)
-               for name, (n, k, gated) in shapes.items()}  # fmt: skip
+    default = engine_tiles(model, rows, shapes)
     if None in default.values():
         print(f"{model} rows {rows}: cuBLAS takes some projections; no chain sweep", flush=True)
         return None
@@ -210,12 +282,18 @@ def main() -> None:
     parser.add_argument("--model", default=None, help="only this model's shapes")
     parser.add_argument("--chain-only", action="store_true", help="only the back-to-back projection chains")
     parser.add_argument("--chain-sweep", action="store_true", help="only the engine's chain, with other tiles")
+    parser.add_argument("--chain-parts", action="store_true",
+                        help="only what each projection adds to the engine's chain, and its launches' floor")  # fmt: skip
     parser.add_argument("--sweep-json", help="--chain-sweep: also write the fastest tiles here, by rows and name")
-    parser.add_argument("--rows", type=int, nargs="+", default=[16, 64], help="--chain-sweep's batch rows")
+    parser.add_argument("--rows", type=int, nargs="+", default=[16, 64], help="--chain-sweep's and --chain-parts' rows")
     args = parser.parse_args()
     device = torch.device("cuda")
     sms = num_sms(device)
     print(f"device: {torch.cuda.get_device_name()}, {sms} SMs; bf16; weights cold in L2")
+    if args.chain_parts:
+        for rows in args.rows:
+            chain_parts(args.model or "qwen2-0.5b", rows, 24)
+        return
     if args.chain_sweep:
         found = {}
         for rows in args.rows:

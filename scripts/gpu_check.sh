@@ -13,8 +13,9 @@
 #   bash scripts/gpu_check.sh tiles     # the projection chain with other tiles (decode_linear.py --chain-sweep),
 #                                       # the end to end with the tiles it found, then what the FCA suffix units
 #                                       # cost (fca_sweep.py --suffixes) (~8 min)
-#   bash scripts/gpu_check.sh short     # for a call with little device time left (~4 min): the engine's memory
-#                                       # share tests, then the projection chain sweep at 16 rows
+#   bash scripts/gpu_check.sh short     # for a call with little device time left (~5 min): what each projection
+#                                       # adds to the decoder's chain (decode_linear.py --chain-parts), then the
+#                                       # kernels part of tests/gpu
 #   bash scripts/gpu_check.sh fingerprint  # the code fingerprint summary.txt records, for this tree
 #
 # On the device machine, from the project root: `source .whl/setup.sh && bash scripts/gpu_check.sh tests`.
@@ -49,24 +50,29 @@ if [ "${1:-}" = fingerprint ]; then fingerprint; exit 0; fi
 { date -u; git log -1 --format='%h %s' 2>/dev/null; fingerprint; python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)' 2>&1; nvidia-smi --query-gpu=name,memory.total,clocks.max.sm \
   --format=csv 2>&1; } >"$out/summary.txt"
 
+# tests/gpu in three parts, each in its own process: a crash or a hang in one leaves the others' results.
+declare -A parts=(
+  [kernels]="tests/gpu/test_batched_copy_gpu.py tests/gpu/test_cuda_graphs_training_gpu.py
+    tests/gpu/test_decode_linear_gpu.py tests/gpu/test_fca_kernel.py tests/gpu/test_layer_graphs_gpu.py
+    tests/gpu/test_softmax_statistics_gpu.py"
+  [engine]="tests/gpu/test_native_engine_gpu.py tests/gpu/test_sleep_file_sync_gpu.py
+    tests/gpu/test_sleep_modes_gpu.py"
+  [sync]="tests/gpu/test_weight_sync_cuda_ipc_gpu.py tests/gpu/test_weight_sync_coordinator_nccl.py
+    tests/gpu/test_zorro_train_gpu.py"
+)
+for file in tests/gpu/test_*.py; do  # a new test file must join a part, or it would never run here
+  [[ " ${parts[*]} " =~ [[:space:]]$file[[:space:]] ]] || { echo "$file is in no tests part" >&2; exit 2; }
+done
+tests_part() {  # tests_part PART
+  [ -n "${parts[$1]:-}" ] || { echo "unknown tests part $1: expected kernels, engine or sync" >&2; exit 2; }
+  # shellcheck disable=SC2086  # the part's files are separate words
+  pytest_step "gpu-tests-$1" 300 ${parts[$1]}
+}
+
 case "${1:-}" in
   tests)
-    declare -A parts=(
-      [kernels]="tests/gpu/test_batched_copy_gpu.py tests/gpu/test_cuda_graphs_training_gpu.py
-        tests/gpu/test_decode_linear_gpu.py tests/gpu/test_fca_kernel.py tests/gpu/test_layer_graphs_gpu.py
-        tests/gpu/test_softmax_statistics_gpu.py"
-      [engine]="tests/gpu/test_native_engine_gpu.py tests/gpu/test_sleep_file_sync_gpu.py
-        tests/gpu/test_sleep_modes_gpu.py"
-      [sync]="tests/gpu/test_weight_sync_cuda_ipc_gpu.py tests/gpu/test_weight_sync_coordinator_nccl.py
-        tests/gpu/test_zorro_train_gpu.py"
-    )
-    for file in tests/gpu/test_*.py; do  # a new test file must join a part, or it would never run here
-      [[ " ${parts[*]} " =~ [[:space:]]$file[[:space:]] ]] || { echo "$file is in no tests part" >&2; exit 2; }
-    done
     for part in ${2:-kernels engine sync}; do
-      [ -n "${parts[$part]:-}" ] || { echo "unknown tests part $part: expected kernels, engine or sync" >&2; exit 2; }
-      # shellcheck disable=SC2086  # the part's files are separate words
-      pytest_step "gpu-tests-$part" 300 ${parts[$part]}
+      tests_part "$part"
     done
     ;;
   bench)
@@ -77,6 +83,7 @@ case "${1:-}" in
   profile)
     step decode-profile 150 python3 benchmarks/decode_profile.py
     step decode-linear-chain 120 python3 benchmarks/decode_linear.py --chain-only
+    step decode-linear-parts 80 python3 benchmarks/decode_linear.py --chain-parts
     step fca-sweep 300 python3 benchmarks/fca_sweep.py
     ;;
   changed)
@@ -90,8 +97,8 @@ case "${1:-}" in
     step fca-suffixes 60 python3 benchmarks/fca_sweep.py --suffixes
     ;;
   short)
-    pytest_step engine-memory 140 tests/gpu/test_native_engine_gpu.py -k "projection_kernels or beside_another or sleep_frees"
-    step chain-sweep-16 110 python3 benchmarks/decode_linear.py --chain-sweep --rows 16 --sweep-json "$out/tiles.json"
+    step chain-parts 80 python3 benchmarks/decode_linear.py --chain-parts
+    tests_part kernels
     ;;
   ncu)
     ncu=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | tail -1)
