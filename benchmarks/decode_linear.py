@@ -141,12 +141,12 @@ def engine_chain_us(
             return
         x, squares = decode_linear(qkv[:, :hidden], w["o"], tiles=tiles["o"], pdl=True,
                                    into_residual=(residual, norm_weight))  # fmt: skip
-        if parts < 3:
+        if parts < 4:  # no down projection: the next layer reads what o left
             state[:] = x, squares
+        if parts < 3:
             return
         act = decode_linear(x, w["gate_up"], gated=True, tiles=tiles["gate_up"], pdl=True, row_norm=(squares, 1e-6))
         if parts < 4:
-            state[:] = x, squares
             return
         state[:] = decode_linear(act, w["down"], tiles=tiles["down"], pdl=True, into_residual=(residual, norm_weight))
 
