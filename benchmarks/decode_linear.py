@@ -184,10 +184,9 @@ def chain_parts(model: str, rows: int, layers: int) -> None:
     rounds = [[engine_chain_us(rows, tiles, weights, parts) for parts in range(1, len(CHAIN) + 1)] for _ in range(2)]
     flag = torch.zeros(1, device=device)
     grids = {}
-    for name, (n, k, _) in shapes.items():  # as decode_linear sizes its launch: no empty K-slices
-        t = tiles[name]
-        k_per_split = triton.cdiv(k // t.block_k, t.split_k) * t.block_k
-        grids[name] = (triton.cdiv(n, t.block_n) * triton.cdiv(k, k_per_split),)
+    for name, (n, k, _) in shapes.items():  # as many programs as decode_linear launches
+        tiles_n, split_k, _ = tiles[name].launch(n, k)
+        grids[name] = (tiles_n * split_k,)
 
     def empty(i):
         for name in CHAIN:

@@ -66,6 +66,12 @@ class LinearTiles:
     warps: int = 4
     stages: int = 4
 
+    def launch(self, n: int, k: int) -> tuple[int, int, int]:
+        """For an ``n × k`` weight: output tiles, K-slices (``split_k`` or fewer: none is empty) and each slice's
+        columns, a multiple of ``block_k``. The launch is ``output tiles × K-slices`` programs."""
+        k_per_split = triton.cdiv(k // self.block_k, self.split_k) * self.block_k
+        return triton.cdiv(n, self.block_n), triton.cdiv(k, k_per_split), k_per_split
+
 
 def pick_tiles(
     rows: int, n: int, k: int, num_sms: int, gated: bool = False, block_n: int | None = None
@@ -287,10 +293,7 @@ def decode_linear(
     if x.stride(1) != 1 or weight.stride(1) != 1:
         raise ValueError("decode_linear needs x and weight contiguous along K")
     block_m = max(16, triton.next_power_of_2(rows))
-    tiles_n = triton.cdiv(n, tiles.block_n)
-    steps = k // tiles.block_k
-    k_per_split = triton.cdiv(steps, tiles.split_k) * tiles.block_k
-    split_k = triton.cdiv(k, k_per_split)  # no empty slices
+    tiles_n, split_k, k_per_split = tiles.launch(n, k)
     if rotary is None:
         y = torch.empty(rows, n, dtype=x.dtype, device=x.device)
         rotary_args = dict.fromkeys(("POS", "COS", "SIN", "Q_NORM", "K_NORM", "K_CACHE", "V_CACHE", "SLOTS"), y)
