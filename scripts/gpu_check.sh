@@ -60,10 +60,10 @@ declare -A parts=(
   [sync]="tests/gpu/test_weight_sync_cuda_ipc_gpu.py tests/gpu/test_weight_sync_coordinator_nccl.py
     tests/gpu/test_zorro_train_gpu.py"
 )
-for file in tests/gpu/test_*.py; do  # a new test file must join a part, or it would never run here
-  [[ " ${parts[*]} " =~ [[:space:]]$file[[:space:]] ]] || { echo "$file is in no tests part" >&2; exit 2; }
-done
 tests_part() {  # tests_part PART
+  for file in tests/gpu/test_*.py; do  # a new test file must join a part, or it would never run here
+    [[ " ${parts[*]} " =~ [[:space:]]$file[[:space:]] ]] || { echo "$file is in no tests part" >&2; exit 2; }
+  done
   [ -n "${parts[$1]:-}" ] || { echo "unknown tests part $1: expected kernels, engine or sync" >&2; exit 2; }
   # shellcheck disable=SC2086  # the part's files are separate words
   pytest_step "gpu-tests-$1" 300 ${parts[$1]}
