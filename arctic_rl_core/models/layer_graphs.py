@@ -264,18 +264,33 @@ class LayerGraphs:
 
 
 def _end_capture(graph: torch.cuda.CUDAGraph, pool) -> Exception | None:
-    """End the capture, and the caching allocator's capture into ``pool`` also when it broke; the error, if any.
+    """End the capture, and what it started in the allocator and the random generator also when it broke.
 
-    ``capture_end`` raises on a broken capture before it tells the allocator the capture is
-    over; left so, the allocator's next ``empty_cache`` fails an internal assertion and aborts
-    the process (a worker that sleeps after a failed capture).
+    ``capture_end`` raises on a broken capture before it tells the caching allocator or the
+    default CUDA generator that the capture is over. Left so, the allocator's next
+    ``empty_cache`` fails an internal assertion and aborts the process (a worker that sleeps
+    after a failed capture), and every later eager random op (dropout, ``randint``) raises
+    "Offset increment outside graph capture encountered unexpectedly".
     """
     try:
         graph.capture_end()
     except Exception as error:
         torch._C._cuda_endAllocateToPool(torch.cuda.current_device(), pool)
+        _close_generator_capture()
         return error
     return None
+
+
+def _close_generator_capture() -> None:
+    """Take the default CUDA generator out of capture mode, on the current (side) stream.
+
+    Only a capture that ends well runs the generator's capture epilogue, and torch has no
+    other way to run it: so capture a kernel that does nothing, and end that capture.
+    """
+    closing = torch.cuda.CUDAGraph()
+    closing.capture_begin(capture_error_mode="thread_local")
+    torch.cuda._sleep(1)  # one node: an empty graph would warn that it was captured on the wrong stream
+    closing.capture_end()
 
 
 @contextlib.contextmanager

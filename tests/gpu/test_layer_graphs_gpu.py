@@ -179,7 +179,7 @@ def test_gradient_accumulators_held_from_before_the_capture_neither_break_it_nor
     assert len(hooked) == 4 * len(layer_params)  # every step reached every parameter's own accumulator
 
 
-def test_a_failed_capture_leaves_the_caching_allocator_out_of_capture_mode(model):
+def test_a_failed_capture_leaves_the_caching_allocator_and_the_random_generator_out_of_capture_mode(model):
     graphs = LayerGraphs(decoder_body(model))
     with pytest.raises(CaptureFailed, match="capture failed"):
         with graphs._capturing(torch.cuda.CUDAGraph(), torch.cuda.graph_pool_handle()):
@@ -188,6 +188,10 @@ def test_a_failed_capture_leaves_the_caching_allocator_out_of_capture_mode(model
     torch.cuda.empty_cache()
     torch.cuda.synchronize()
     assert torch.ones(8, device="cuda").sum().item() == 8
+    # The random generator is out of capture mode too: it raised on the next eager draw.
+    drawn = torch.randint(0, 10, (64,), device="cuda")
+    assert 0 <= drawn.min().item() and drawn.max().item() < 10
+    assert not torch.equal(drawn, torch.randint(0, 10, (64,), device="cuda"))  # and its offset still advances
 
 
 def test_gradient_checkpointing_keeps_the_layers_eager(model):
