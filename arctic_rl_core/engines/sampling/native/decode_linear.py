@@ -45,7 +45,7 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from arctic_rl_core.engines.sampling.native.ops import RotaryStore
-from arctic_rl_core.engines.sampling.native.triton_ops import rotary_store_tile
+from arctic_rl_core.engines.sampling.native.triton_ops import rotary_inputs, rotary_store_tile
 
 MAX_ROWS = 64  # decode batches up to this many rows take this path; larger ones are matmuls cuBLAS tiles well
 # Past 16 rows cuBLAS reads large weights faster (Qwen2.5-7B's projections, 26-271 MB, at 64 rows: 0.66-0.93x
@@ -151,6 +151,16 @@ def _decode_linear_kernel(
     x_row = tl.where(row_ok, row, 0)
     k_lo = split * k_per_split
     k_hi = tl.minimum(K, k_lo + k_per_split)
+    in_bounds = row_ok[None, :] & col_ok[:, None]
+    # The epilogue's other inputs are asked for before the K loop, so that they arrive while it runs instead
+    # of adding their latency after it. Weights, positions and slots come before the wait: no kernel of the
+    # step writes them (the engine copies positions and slots in before the step).
+    if HAS_BIAS:
+        bias = tl.load(BIAS + w_col).to(tl.float32)
+    if INTO_RESIDUAL:
+        norm_weight = tl.load(NORM_WEIGHT + w_col).to(tl.float32)
+    if ROTARY:
+        cos, sin, slot = rotary_inputs(x_row, POS, COS, SIN, SLOTS, stride_cos, BLOCK_N)
     if USE_PDL:
         # Launched while the kernel before runs (programmatic dependent launch): the weights do not depend
         # on it, so start the first ``prefetch_k`` columns of ours towards L2, then wait for its output (x).
@@ -160,6 +170,16 @@ def _decode_linear_kernel(
             _prefetch_to_l2(W, w_col + n, k_lo, k_ahead, stride_w, BLOCK_N, 8)
         gdc_wait()
         gdc_launch_dependents()
+    if SCALE_ROWS:
+        # x was ``stream * norm weight``: each output row takes its 1 / rms, from the stream's sums of squares
+        # that the projection before left in ``parts`` column tiles.
+        part_ids = tl.arange(0, PARTS)
+        squares = tl.load(SUM_SQUARES + part_ids[:, None] * BLOCK_M + row[None, :],
+                          mask=(part_ids < parts)[:, None], other=0.0)  # fmt: skip
+        inv_rms = tl.rsqrt(tl.sum(squares, axis=0) / K + eps)
+    if INTO_RESIDUAL:
+        res = RESIDUAL + row[None, :] * stride_r + col[:, None]
+        residual = tl.load(res, mask=in_bounds, other=0.0).to(tl.float32)
     acc = _rows_times_slice(X, W, x_row, w_col, k_lo, k_hi, stride_x, stride_w,
                             tl.zeros([BLOCK_N, BLOCK_M], tl.float32), BLOCK_K, PRECISION)  # fmt: skip
     if GATED:
@@ -192,37 +212,29 @@ def _decode_linear_kernel(
     if finish:
         dtype = Y.dtype.element_ty
         if SCALE_ROWS:
-            # x was ``stream * norm weight``: each output row takes its 1 / rms here, from the stream's sums of
-            # squares that the projection before left in ``parts`` column tiles.
-            part = tl.arange(0, PARTS)
-            squares = tl.load(SUM_SQUARES + part[:, None] * BLOCK_M + row[None, :], mask=(part < parts)[:, None],
-                              other=0.0)  # fmt: skip
-            inv_rms = tl.rsqrt(tl.sum(squares, axis=0) / K + eps)
             acc *= inv_rms[None, :]
             if GATED:
                 up *= inv_rms[None, :]
         if HAS_BIAS:
-            acc += tl.load(BIAS + w_col).to(tl.float32)[:, None]
+            acc += bias[:, None]
         # Round where the unfused layers round: the projection's output, then the activation.
         out = acc.to(dtype)
         if GATED:
             gate = out.to(tl.float32)
             act = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
             out = (act * up.to(dtype).to(tl.float32)).to(dtype)
-        in_bounds = row_ok[None, :] & col_ok[:, None]
         if INTO_RESIDUAL:
             # The residual stream takes our output (in place; this tile's columns are ours alone), and the
             # next projection gets ``stream * norm weight`` with this tile's share of each row's sum of squares.
-            res = RESIDUAL + row[None, :] * stride_r + col[:, None]
-            stream = (out.to(tl.float32) + tl.load(res, mask=in_bounds, other=0.0).to(tl.float32)).to(dtype)
+            stream = (out.to(tl.float32) + residual).to(dtype)
             tl.store(res, stream, mask=in_bounds)
             streamf = tl.where(in_bounds, stream.to(tl.float32), 0.0)
             tl.store(SUM_SQUARES_OUT + tile * BLOCK_M + row, tl.sum(streamf * streamf, axis=0))
-            out = (streamf * tl.load(NORM_WEIGHT + w_col).to(tl.float32)[:, None]).to(dtype)
+            out = (streamf * norm_weight[:, None]).to(dtype)
         if ROTARY:
-            rotary_store_tile(out, tile, x_row, row_ok, POS, COS, SIN, Q_NORM, K_NORM, Y, K_CACHE, V_CACHE, SLOTS,
-                              stride_cos, stride_y, stride_qh, stride_ks, stride_kh, qk_eps,
-                              NUM_HEADS, NUM_KV_HEADS, BLOCK_N, QK_NORM, BLOCK_M)  # fmt: skip
+            rotary_store_tile(out, tile, x_row, row_ok, cos, sin, slot, Q_NORM, K_NORM, Y, K_CACHE, V_CACHE,
+                              stride_y, stride_qh, stride_ks, stride_kh, qk_eps, NUM_HEADS, NUM_KV_HEADS, BLOCK_N,
+                              QK_NORM, BLOCK_M)  # fmt: skip
         else:
             tl.store(Y + row[None, :] * stride_y + col[:, None], out, mask=in_bounds)
 
@@ -281,7 +293,8 @@ def decode_linear(
 
     ``rotary`` finishes a q/k/v projection as ``ops.rotary_and_store`` would, with no launch of its own: it
     returns the rotated queries ``[rows, num_heads, head_dim]`` and writes keys and values to their cache
-    slots. Its tiles are one head wide.
+    slots. Its tiles are one head wide. With ``pdl`` its positions and slots are read before the wait for
+    the kernel before, so no kernel of the same dependent chain may write them (the engine copies them in).
     """
     rows, k = x.shape
     n = weight.shape[0] // 2 if gated else weight.shape[0]

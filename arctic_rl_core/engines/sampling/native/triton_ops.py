@@ -115,9 +115,25 @@ def _norm_rope_columns(x1, x2, W, cos, sin, eps, HAS_NORM: tl.constexpr, HALF: t
 
 
 @triton.jit
+def rotary_inputs(token, POS, COS, SIN, SLOTS, stride_cos, HEAD_DIM: tl.constexpr):
+    """What ``rotary_store_tile`` reads besides the projection's output: cos and sin ``[HEAD_DIM / 2, tokens]``
+    at each token's position, and each token's cache slot ``[1, tokens]``.
+
+    None of it is the projection's, so a projection can ask for it before its K loop. Every head reads all
+    of it (a few hundred bytes, in bounds for any head): query heads ignore the slots, value heads the angles.
+    """
+    half = tl.arange(0, HEAD_DIM // 2)[:, None]
+    pos = tl.load(POS + token).to(tl.int64)[None, :]
+    cos = tl.load(COS + pos * stride_cos + half)
+    sin = tl.load(SIN + pos * stride_cos + half)
+    slot = tl.load(SLOTS + token).to(tl.int64)[None, :]
+    return cos, sin, slot
+
+
+@triton.jit
 def rotary_store_tile(
-    out, head, token, token_ok, POS, COS, SIN, Q_NORM, K_NORM, Q_OUT, K_CACHE, V_CACHE, SLOTS,
-    stride_cos, stride_qt, stride_qh, stride_ks, stride_kh, eps,
+    out, head, token, token_ok, cos, sin, slot, Q_NORM, K_NORM, Q_OUT, K_CACHE, V_CACHE,
+    stride_qt, stride_qh, stride_ks, stride_kh, eps,
     NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, QK_NORM: tl.constexpr,
     BLOCK_M: tl.constexpr,
 ):  # fmt: skip
@@ -125,17 +141,15 @@ def rotary_store_tile(
     head rotated and a value head as is into their cache slots (none for a negative slot).
 
     ``head`` counts query heads, then key heads, then value heads. ``token`` must be in range (``token_ok``
-    says which to write). The q/k/v projection's epilogue calls it on each finished head
-    (``decode_linear``), ``rotary_and_store`` on each head of a projection's output in memory.
+    says which to write); ``cos``, ``sin`` and ``slot`` are ``rotary_inputs``' for the same head and tokens.
+    The q/k/v projection's epilogue calls it on each finished head (``decode_linear``), ``rotary_and_store``
+    on each head of a projection's output in memory.
     """
     HALF: tl.constexpr = HEAD_DIM // 2
     x1, x2 = tl.split(tl.permute(tl.reshape(out.to(tl.float32), [2, HALF, BLOCK_M]), [1, 2, 0]))
     half = tl.arange(0, HALF)[:, None]
     dtype = Q_OUT.dtype.element_ty
     if head < NUM_HEADS + NUM_KV_HEADS:
-        pos = tl.load(POS + token).to(tl.int64)[None, :]
-        cos = tl.load(COS + pos * stride_cos + half)
-        sin = tl.load(SIN + pos * stride_cos + half)
         if head < NUM_HEADS:
             x1, x2 = _norm_rope_columns(x1, x2, Q_NORM, cos, sin, eps, QK_NORM, HALF)
         else:
@@ -145,7 +159,6 @@ def rotary_store_tile(
         tl.store(dst, x1.to(dtype), mask=token_ok[None, :])
         tl.store(dst + HALF, x2.to(dtype), mask=token_ok[None, :])
     else:
-        slot = tl.load(SLOTS + token).to(tl.int64)[None, :]
         write = token_ok[None, :] & (slot >= 0)
         if head < NUM_HEADS + NUM_KV_HEADS:
             dst = K_CACHE + slot * stride_ks + (head - NUM_HEADS) * stride_kh + half
@@ -169,10 +182,11 @@ def _rotary_store_kernel(
     token = tl.where(token_ok, token, 0)
     head = tl.program_id(1)
     dims = tl.arange(0, HEAD_DIM)
+    cos, sin, slot = rotary_inputs(token, POS, COS, SIN, SLOTS, stride_cos, HEAD_DIM)
     tile = tl.load(QKV + token[None, :].to(tl.int64) * stride_qkv + head * HEAD_DIM + dims[:, None])
-    rotary_store_tile(tile, head, token, token_ok, POS, COS, SIN, Q_NORM, K_NORM, Q_OUT, K_CACHE, V_CACHE, SLOTS,
-                      stride_cos, stride_qt, stride_qh, stride_ks, stride_kh, eps, NUM_HEADS, NUM_KV_HEADS,
-                      HEAD_DIM, HAS_NORM, BLOCK_M)  # fmt: skip
+    rotary_store_tile(tile, head, token, token_ok, cos, sin, slot, Q_NORM, K_NORM, Q_OUT, K_CACHE, V_CACHE,
+                      stride_qt, stride_qh, stride_ks, stride_kh, eps, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, HAS_NORM,
+                      BLOCK_M)  # fmt: skip
 
 
 ROTARY_TOKENS = 16  # tokens per program of ``rotary_and_store``
