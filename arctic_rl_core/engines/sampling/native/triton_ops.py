@@ -141,7 +141,7 @@ def rotary_store_tile(
     head rotated and a value head as is into their cache slots (none for a negative slot).
 
     ``head`` counts query heads, then key heads, then value heads. ``token`` must be in range (``token_ok``
-    says which to write); ``cos``, ``sin`` and ``slot`` are ``rotary_inputs``' for the same head and tokens.
+    says which to write); ``cos``, ``sin`` and ``slot`` are ``rotary_inputs``' for the same tokens.
     The q/k/v projection's epilogue calls it on each finished head (``decode_linear``), ``rotary_and_store``
     on each head of a projection's output in memory.
     """
