@@ -146,16 +146,26 @@ DECODE_LINEAR_CASES = {
 
 
 @pytest.mark.parametrize("case", DECODE_LINEAR_CASES)
-def test_decode_linear_epilogues_compile_for_hopper(case):
-    """The norm and rotary epilogues (tile reshapes, splits, the in-place residual) lower for sm_90a."""
-    from arctic_rl_core.engines.sampling.native.decode_linear import _decode_linear_kernel
+def test_decode_linear_epilogues_compile_for_hopper_with_a_pipelined_k_loop(case):
+    """The norm and rotary epilogues (tile reshapes, splits, the in-place residual) lower for sm_90a, and the K
+    loop is one software pipeline: its loads are asynchronous copies into buffers of ``stage_bytes`` each (gate
+    and up in the same steps), ``stages`` of them at most, as ``pick_tiles`` budgets them."""
+    from arctic_rl_core.engines.sampling.native.decode_linear import _decode_linear_kernel, stage_bytes
 
     types = {name: "*bf16" for name in ("X", "W", "BIAS", "Y", "RESIDUAL", "NORM_WEIGHT", "Q_NORM", "K_NORM",
                                         "K_CACHE", "V_CACHE")}  # fmt: skip
     types |= {name: "*fp32" for name in ("PARTIAL", "SUM_SQUARES", "SUM_SQUARES_OUT", "COS", "SIN")}
     types |= {"COUNTERS": "*i32", "POS": "*i64", "SLOTS": "*i64", "eps": "fp32", "qk_eps": "fp32"}
-    compiled = compile_for(
-        _decode_linear_kernel, types, {**DECODE_LINEAR_BASE, **DECODE_LINEAR_CASES[case]}, num_warps=4, num_stages=4
-    )
+    # As Triton's JIT specializes a 16-row launch of these shapes: every pointer, size and stride a multiple of 16.
+    # Without that the loads are not vectorized, and the loop is not pipelined.
+    sizes = ("rows", "n", "k_per_split", "K", "prefetch_k", "stride_x", "stride_w", "stride_y", "stride_r")
+    aligned = [name for name, kind in types.items() if kind.startswith("*")] + list(sizes)
+    constants = {**DECODE_LINEAR_BASE, **DECODE_LINEAR_CASES[case]}
+    stages = 4
+    compiled = compile_for(_decode_linear_kernel, types, constants, aligned, num_warps=4, num_stages=stages)
     assert len(compiled.asm["cubin"]) > 0
     assert "griddepcontrol.wait" in compiled.asm["ptx"]
+    assert "async_copy_global_to_local" in compiled.asm["ttgir"]
+    per_stage = stage_bytes(constants["BLOCK_M"], constants["BLOCK_N"], constants["BLOCK_K"], constants["GATED"])
+    # stages - 1 buffers in flight (Triton may keep one more for the epilogue): within what pick_tiles budgets.
+    assert (stages - 1) * per_stage <= compiled.metadata.shared <= stages * per_stage

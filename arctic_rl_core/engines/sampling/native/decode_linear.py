@@ -96,20 +96,34 @@ def pick_tiles(
     split_k = 1
     while tiles_n * split_k < num_sms and steps // (2 * split_k) >= 4:
         split_k *= 2
-    stage_bytes = ((2 if gated else 1) * block_n + max(16, triton.next_power_of_2(rows))) * block_k * 2
-    return LinearTiles(block_n, block_k, split_k, stages=max(1, min(4, (200 << 10) // stage_bytes)))
+    per_stage = stage_bytes(rows, block_n, block_k, gated)
+    return LinearTiles(block_n, block_k, split_k, stages=max(1, min(4, (200 << 10) // per_stage)))
+
+
+def stage_bytes(rows: int, block_n: int, block_k: int, gated: bool = False) -> int:
+    """Shared memory one stage of the K loop's software pipeline takes: a step's weight tile (two, ``gated``) and
+    its input rows, in 16-bit values."""
+    return ((2 if gated else 1) * block_n + max(16, triton.next_power_of_2(rows))) * block_k * 2
 
 
 @triton.jit
-def _rows_times_slice(X, W, row, col, k_lo, k_hi, stride_x, stride_w, acc,
-                      BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):  # fmt: skip
-    """``acc += W[col, k] @ X[row, k]^T`` over ``k`` in ``[k_lo, k_hi)``: acc is ``[block_n, block_m]``."""
+def _rows_times_slice(X, W, row, col, up_col, k_lo, k_hi, stride_x, stride_w, acc, up,
+                      GATED: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):  # fmt: skip
+    """``acc += W[col, k] @ X[row, k]^T`` over ``k`` in ``[k_lo, k_hi)``: acc is ``[block_n, block_m]``; with
+    ``GATED`` also ``up += W[up_col, k] @ X[row, k]^T`` in the same steps.
+
+    One loop for both halves: each step's loads are in flight together, and
+    Triton's software pipeline (``num_stages``) fills once instead of twice.
+    """
     ks = tl.arange(0, BLOCK_K)
     for k0 in range(k_lo, k_hi, BLOCK_K):
-        w = tl.load(W + col[:, None] * stride_w + (k0 + ks)[None, :])
         x = tl.load(X + row[:, None] * stride_x + (k0 + ks)[None, :])
+        w = tl.load(W + col[:, None] * stride_w + (k0 + ks)[None, :])
         acc = tl.dot(w, tl.trans(x), acc, input_precision=PRECISION)
-    return acc
+        if GATED:
+            w_up = tl.load(W + up_col[:, None] * stride_w + (k0 + ks)[None, :])
+            up = tl.dot(w_up, tl.trans(x), up, input_precision=PRECISION)
+    return acc, up
 
 
 @triton.jit
@@ -180,13 +194,10 @@ def _decode_linear_kernel(
     if INTO_RESIDUAL:
         res = RESIDUAL + row[None, :] * stride_r + col[:, None]
         residual = tl.load(res, mask=in_bounds, other=0.0).to(tl.float32)
-    acc = _rows_times_slice(X, W, x_row, w_col, k_lo, k_hi, stride_x, stride_w,
-                            tl.zeros([BLOCK_N, BLOCK_M], tl.float32), BLOCK_K, PRECISION)  # fmt: skip
-    if GATED:
-        up = _rows_times_slice(X, W, x_row, w_col + n, k_lo, k_hi, stride_x, stride_w,
-                               tl.zeros([BLOCK_N, BLOCK_M], tl.float32), BLOCK_K, PRECISION)  # fmt: skip
-    else:
-        up = acc  # unused
+    # (Without GATED, ``up`` stays zeros and is never read.)
+    acc, up = _rows_times_slice(X, W, x_row, w_col, w_col + n, k_lo, k_hi, stride_x, stride_w,
+                                tl.zeros([BLOCK_N, BLOCK_M], tl.float32), tl.zeros([BLOCK_N, BLOCK_M], tl.float32),
+                                GATED, BLOCK_K, PRECISION)  # fmt: skip
 
     finish = True
     if SPLIT_K > 1:
