@@ -28,6 +28,13 @@ norm split between the projections around it: ``into_residual`` and
 ``row_norm``) with other tiles for each projection, one projection at a time
 (coordinate descent, two rounds), and prints the fastest set against
 ``pick_tiles``' in the same process.
+
+``--chain-stages 4 6 8`` times the same chain with each projection's
+software pipeline this many stages deep (fewer where shared memory or the
+slice's steps allow no more), the settings in turn and then in reverse: how
+much of each projection's latency after its wait is its K loop's loads
+coming back a few steps at a time. With ``--sweep-json`` it writes the
+fastest setting's tiles for ``fca.py --linear-tiles``.
 """
 
 from __future__ import annotations
@@ -45,7 +52,13 @@ from sampling import copy_bandwidth
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from arctic_rl_core.engines.sampling.native import triton_ops
-from arctic_rl_core.engines.sampling.native.decode_linear import LinearTiles, decode_linear, num_sms, pick_tiles
+from arctic_rl_core.engines.sampling.native.decode_linear import (
+    LinearTiles,
+    decode_linear,
+    num_sms,
+    pick_tiles,
+    stage_bytes,
+)
 
 # (model, projection, output features, input features, gated)
 SHAPES = (
@@ -243,6 +256,40 @@ def chain_sweep(model: str, rows: int, layers: int) -> dict[str, LinearTiles] | 
     return best
 
 
+def deeper_stages(tiles: LinearTiles, n: int, k: int, rows: int, gated: bool, stages: int) -> LinearTiles:
+    """``tiles`` with ``stages`` pipeline stages, or as many as one K-slice's steps use (one more than its
+    steps: all of them in flight at once) or as fit in the device's shared memory, whichever is fewest."""
+    _, _, k_per_split = tiles.launch(n, k)
+    per_stage = stage_bytes(rows, tiles.block_n, tiles.block_k, gated)
+    props = torch.cuda.get_device_properties(torch.cuda.current_device())
+    # Room for the epilogue's own shared memory (layout conversions of the output tile).
+    budget = getattr(props, "shared_memory_per_block_optin", 232448) - (16 << 10)
+    return dataclasses.replace(tiles, stages=max(1, min(stages, k_per_split // tiles.block_k + 1, budget // per_stage)))
+
+
+def chain_stages(model: str, rows: int, layers: int, stage_counts: list[int]) -> dict[str, LinearTiles] | None:
+    """``engine_chain_us`` with ``pick_tiles``' tiles at each of ``stage_counts`` pipeline stages (``deeper_stages``),
+    in turn and then in reverse, so that drift over the run shows: the fastest setting's tiles, by name (None
+    where cuBLAS takes some projection)."""
+    shapes, weights = layer_weights(model, layers)
+    default = engine_tiles(model, rows, shapes)
+    if None in default.values():
+        print(f"{model} rows {rows}: cuBLAS takes some projections; no chain", flush=True)
+        return None
+    settings = {s: {name: deeper_stages(default[name], n, k, rows, gated, s) for name, (n, k, gated) in shapes.items()}
+                for s in stage_counts}  # fmt: skip
+    times: dict[int, list[float]] = {s: [] for s in stage_counts}
+    for s in [*stage_counts, *reversed(stage_counts)]:
+        times[s].append(engine_chain_us(rows, settings[s], weights))
+    print(f"{model:10s} engine chain, rows {rows:2d}, {layers} layers; pick_tiles' stages "
+          + ", ".join(f"{name} {t.stages}" for name, t in default.items()), flush=True)  # fmt: skip
+    for s in stage_counts:
+        used = ", ".join(f"{name} {t.stages}" for name, t in settings[s].items())
+        print(f"    stages up to {s:2d} ({used}): {times[s][0]:5.1f} / {times[s][1]:5.1f} us per layer", flush=True)
+    best = min(stage_counts, key=lambda s: max(times[s]))
+    return settings[best]
+
+
 def swept_pick_tiles(path: str | Path):
     """``pick_tiles`` as the engine calls it, but with the tiles a ``--sweep-json`` file found for Qwen2-0.5B's
     projections: batches of up to 16 rows take the 16-row set, larger ones the 64-row set."""
@@ -283,7 +330,11 @@ def main() -> None:
     parser.add_argument("--chain-sweep", action="store_true", help="only the engine's chain, with other tiles")
     parser.add_argument("--chain-parts", action="store_true",
                         help="only what each projection adds to the engine's chain, and its launches' floor")  # fmt: skip
-    parser.add_argument("--sweep-json", help="--chain-sweep: also write the fastest tiles here, by rows and name")
+    parser.add_argument("--chain-stages", type=int, nargs="+",
+                        help="only the engine's chain, at each of these pipeline depths")  # fmt: skip
+    parser.add_argument(
+        "--sweep-json", help="--chain-sweep, --chain-stages: also write the fastest tiles here, by rows and name"
+    )
     parser.add_argument("--rows", type=int, nargs="+", default=[16, 64], help="--chain-sweep's and --chain-parts' rows")
     args = parser.parse_args()
     device = torch.device("cuda")
@@ -293,10 +344,14 @@ def main() -> None:
         for rows in args.rows:
             chain_parts(args.model or "qwen2-0.5b", rows, 24)
         return
-    if args.chain_sweep:
+    if args.chain_sweep or args.chain_stages:
         found = {}
         for rows in args.rows:
-            best = chain_sweep(args.model or "qwen2-0.5b", rows, 24)
+            model = args.model or "qwen2-0.5b"
+            if args.chain_stages:
+                best = chain_stages(model, rows, 24, args.chain_stages)
+            else:
+                best = chain_sweep(model, rows, 24)
             if best is None:
                 continue
             found[rows] = {name: dataclasses.asdict(t) for name, t in best.items()}
