@@ -13,7 +13,13 @@ import torch
 import torch.nn.functional as F
 
 from arctic_rl_core.engines.sampling.native import ops
-from arctic_rl_core.engines.sampling.native.decode_linear import MAX_ROWS, LinearTiles, pick_tiles
+from arctic_rl_core.engines.sampling.native.decode_linear import (
+    MAX_ROWS,
+    MAX_STAGES,
+    LinearTiles,
+    pick_tiles,
+    stage_bytes,
+)
 from tests.triton_interpreter import check_test, report
 
 
@@ -138,7 +144,19 @@ def test_tiles_keep_the_pipeline_within_shared_memory():
         for gated in (False, True):
             tiles = pick_tiles(rows, 4864, 896, num_sms=132, gated=gated)
             stage = ((2 if gated else 1) * tiles.block_n + max(16, rows)) * tiles.block_k * 2
-            assert 1 <= tiles.stages <= 4 and tiles.stages * stage <= 200 << 10
+            assert stage == stage_bytes(rows, tiles.block_n, tiles.block_k, gated)
+            assert 1 <= tiles.stages <= MAX_STAGES and tiles.stages * stage <= 200 << 10
+
+
+def test_the_pipeline_puts_a_short_slice_wholly_in_flight_and_no_deeper():
+    # Qwen2-0.5B at 16 rows: q/k/v's 7 steps of K take 6 stages (the most), the down projection's slices of
+    # 5 steps take 6 (all in flight), gate/up's two weight tiles per step fit 5.
+    assert pick_tiles(16, 1152, 896, num_sms=132, block_n=64).stages == MAX_STAGES == 6
+    down = pick_tiles(16, 896, 4864, num_sms=132)
+    assert down.launch(896, 4864)[2] // down.block_k + 1 == down.stages == 6
+    assert pick_tiles(16, 4864, 896, num_sms=132, gated=True).stages == 5
+    # A K of two steps needs three stages, not six.
+    assert pick_tiles(16, 896, 256, num_sms=132).stages == 3
 
 
 def test_shapes_the_kernel_does_not_take_are_left_to_cublas():
