@@ -180,7 +180,9 @@ def _decode_linear_kernel(
     in_bounds = row_ok[None, :] & col_ok[:, None]
     # The epilogue's other inputs are asked for before the K loop, so that they arrive while it runs instead
     # of adding their latency after it. Weights, positions and slots come before the wait: no kernel of the
-    # step writes them (the engine copies positions and slots in before the step).
+    # step writes them (the engine copies positions and slots in before the step). Nothing computed from them
+    # is: an operation on a loaded value before the loop (a reduction, a layout change) waits for the load
+    # there, and the loop's first loads with it.
     if HAS_BIAS:
         bias = tl.load(BIAS + w_col).to(tl.float32)
     if INTO_RESIDUAL:
@@ -198,14 +200,10 @@ def _decode_linear_kernel(
         gdc_launch_dependents()
     if SCALE_ROWS:
         # x was ``stream * norm weight``: each output row takes its 1 / rms, from the stream's sums of squares
-        # that the projection before left in ``parts`` column tiles.
+        # that the projection before left in ``parts`` column tiles (summed after the loop).
         part_ids = tl.arange(0, PARTS)
         squares = tl.load(SUM_SQUARES + part_ids[:, None] * BLOCK_M + row[None, :],
                           mask=(part_ids < parts)[:, None], other=0.0)  # fmt: skip
-        inv_rms = tl.rsqrt(tl.sum(squares, axis=0) / K + eps)
-    if INTO_RESIDUAL:
-        res = RESIDUAL + row[None, :] * stride_r + col[:, None]
-        residual = tl.load(res, mask=in_bounds, other=0.0).to(tl.float32)
     # (Without GATED, ``up`` stays zeros and is never read.)
     acc, up = _rows_times_slice(X, W, x_row, w_col, w_col + n, k_lo, k_hi, stride_x, stride_w,
                                 tl.zeros([BLOCK_N, BLOCK_M], tl.float32), tl.zeros([BLOCK_N, BLOCK_M], tl.float32),
@@ -234,7 +232,14 @@ def _decode_linear_kernel(
 
     if finish:
         dtype = Y.dtype.element_ty
+        if INTO_RESIDUAL:
+            # Read here, not before the loop: Triton changes its layout where it is loaded, and that wait
+            # before the loop took the o projection from 3.2-3.5 to 4.6-4.8 us (decode_linear.py --chain-parts,
+            # H100, one call).
+            res = RESIDUAL + row[None, :] * stride_r + col[:, None]
+            residual = tl.load(res, mask=in_bounds, other=0.0).to(tl.float32)
         if SCALE_ROWS:
+            inv_rms = tl.rsqrt(tl.sum(squares, axis=0) / K + eps)
             acc *= inv_rms[None, :]
             if GATED:
                 up *= inv_rms[None, :]
