@@ -1,9 +1,14 @@
 """FCA kernel variants side by side on one GPU: attend and merge times per case, and exactness against plain.
 
-python benchmarks/fca_sweep.py [--quick | --suffixes]
+python benchmarks/fca_sweep.py [--quick | --suffixes | --plain]
 
 ``--suffixes`` times the default alone over 8K shared prefixes with shorter
 suffixes (256, 64, 1 positions): what the per-request suffix units cost.
+
+``--plain`` times plain decode (no shared prefix: ``sampling.py``'s case) at
+16 and 64 requests and several context lengths, with plans of fewer items
+than the engine's target down to one per request: what splitting each
+context into more units, and the merge launch that the split needs, cost.
 """
 
 from __future__ import annotations
@@ -101,6 +106,32 @@ def measure(batch: dict, tiles: TileShape, target: int) -> dict:
     return result
 
 
+def plain_targets(requests: int, length: int, tiles: TileShape, engine_target: int) -> None:
+    """Plain decode of ``requests`` contexts of ``length``, planned for the engine's item target and fewer: one line
+    per plan, microseconds per layer with its merge launch and, where it has no partials, without."""
+    batch = paged_batch(requests, 1, 0, length)
+    lengths, caches, q = batch["lengths"], batch["caches"], batch["q"]
+    forest = PrefixForest.unshared(requests)
+    cells = []
+    for target in sorted({engine_target, engine_target // 2, engine_target // 4, 2 * requests, requests}, reverse=True):
+        plan = plan_decode(forest, lengths, tiles, target)
+        device_plan = kernel.DevicePlan.from_plan(plan, "cuda")
+        workspace = kernel.Workspace.allocate(plan.num_partial_rows, HEADS, DIM, "cuda", torch.bfloat16)
+        out = torch.empty_like(q)
+        times = {}
+        for merge in (True, False) if plan.num_partial_rows == 0 else (True,):
+
+            def run(layer, device_plan=device_plan, workspace=workspace, out=out, merge=merge):
+                kernel.paged_attention(q, *caches[layer], batch["block_tables"], batch["positions"], device_plan,
+                                       workspace, SCALE, tiles, wide=False, merge=merge, out=out, decode=True)  # fmt: skip
+
+            times[merge] = graph_us(run)
+        no_merge = f" (no merge launch {times[False]:5.1f})" if False in times else ""
+        cells.append(f"target {target:3d}: {plan.num_items:3d} items, {plan.num_partial_rows:4d} partial rows, "
+                     f"{times[True]:5.1f} us{no_merge}")  # fmt: skip
+    print(f"plain {requests:2d} x {length:5d}: " + " | ".join(cells), flush=True)
+
+
 def describe(r: dict) -> str:
     """One ``measure`` result on a line: microseconds per layer, the plan's items, FCA's difference from plain."""
     return (f"fca {r['fca']:5.1f} (even {r['even']:5.1f}) attend {r['attend']:5.1f} plain {r['plain']:5.1f} "
@@ -111,9 +142,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--suffixes", action="store_true", help="the default with suffixes of 256, 64 and 1")
+    parser.add_argument("--plain", action="store_true", help="plain decode, planned for fewer items than the engine")
     args = parser.parse_args()
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     print(f"device: {torch.cuda.get_device_name()}, {sms} SMs")
+    if args.plain:
+        for requests in (64, 16):
+            for length in (128, 256, 384, 1024, 4096):
+                plain_targets(requests, length, TileShape(GROUP), 4 * sms // KV_HEADS)
+        return
     if args.suffixes:
         target = 4 * sms // KV_HEADS
         for label, groups, per_group in CASES:
