@@ -180,9 +180,9 @@ def _decode_linear_kernel(
     in_bounds = row_ok[None, :] & col_ok[:, None]
     # The epilogue's other inputs are asked for before the K loop, so that they arrive while it runs instead
     # of adding their latency after it. Weights, positions and slots come before the wait: no kernel of the
-    # step writes them (the engine copies positions and slots in before the step). Nothing computed from them
-    # is: an operation on a loaded value before the loop (a reduction, a layout change) waits for the load
-    # there, and the loop's first loads with it.
+    # step writes them (the engine copies positions and slots in before the step). Only the loads move: an
+    # operation on a loaded value before the loop (a reduction, a layout change) would wait for the load
+    # there, and hold back the loop's first loads with it.
     if HAS_BIAS:
         bias = tl.load(BIAS + w_col).to(tl.float32)
     if INTO_RESIDUAL:
