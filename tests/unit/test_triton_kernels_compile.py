@@ -30,6 +30,12 @@ VARIANTS = {
 }
 
 
+def _pointers(types: dict[str, str]) -> list[str]:
+    """The pointer arguments among ``compile_for``'s ``types``: the JIT takes them as 16-byte aligned (whole
+    allocations), and so must a static build that is to match the device's."""
+    return [name for name, kind in types.items() if kind.startswith("*")]
+
+
 def _compile_attention(tiles: TileShape, wide: bool, decode: bool):
     """What ``paged_attention`` launches for a bf16 Qwen2-0.5B layer (14 heads, 2 KV heads, 64 dims, 16 per block)."""
     return kernel.compile_attention(tiles, 14, 2, 64, 16, torch.bfloat16, wide, decode)
@@ -101,29 +107,36 @@ def test_sampling_kernels_compile_for_hopper(processed):
         "PART_BEST": "*fp32",
         "PART_INDEX": "*i32",
     }
+    split_types = {**rows, "LOGITS": "*fp32", "MIN_LOGIT": "*fp32", "NOISE_KEYS": "*i64", "FIRST_STEPS": "*i64",
+                   "BANNED": "*i32", "MIN_TOKENS": "*i64"}  # fmt: skip
+    # As the JIT specializes a Qwen2 vocabulary (151936, a multiple of 16) over whole allocations.
     split = compile_for(
-        triton_ops._sample_split_kernel,
-        {**rows, "LOGITS": "*fp32", "MIN_LOGIT": "*fp32", "NOISE_KEYS": "*i64", "FIRST_STEPS": "*i64",
-         "BANNED": "*i32", "MIN_TOKENS": "*i64"},
-        dict(NUM_BANNED=3, SPLIT=triton_ops.SAMPLE_SPLIT, BLOCK=1024, PROCESSED=processed), num_warps=4,
+        triton_ops._sample_split_kernel, split_types,
+        dict(NUM_BANNED=3, SPLIT=triton_ops.SAMPLE_SPLIT, BLOCK=1024, PROCESSED=processed),
+        _pointers(split_types) + ["stride_l", "vocab"], num_warps=4,
     )  # fmt: skip
+    combine_types = {**rows, "LOGITS": "*fp32", "TOKENS": "*i64", "LOGPROBS": "*fp32"}
     combine = compile_for(
-        triton_ops._sample_combine_kernel, {**rows, "LOGITS": "*fp32", "TOKENS": "*i64", "LOGPROBS": "*fp32"},
-        dict(SPLITS_PAD=64, PROCESSED=processed), num_warps=1,
+        triton_ops._sample_combine_kernel, combine_types, dict(SPLITS_PAD=64, PROCESSED=processed),
+        _pointers(combine_types), num_warps=1,
     )  # fmt: skip
     assert len(split.asm["cubin"]) > 0 and len(combine.asm["cubin"]) > 0
+    assert register_use(split).spill_stores == 0 and register_use(combine).spill_stores == 0
 
 
 @pytest.mark.parametrize("head_dim, qk_norm", [(64, False), (128, True)])
 def test_rotary_kernel_compiles_for_hopper(head_dim, qk_norm):
     """The standalone rotary and cache write (prefill, and decode of heads too wide for the epilogue)."""
+    types = dict.fromkeys(("QKV", "Q_NORM", "K_NORM", "Q_OUT", "K_CACHE", "V_CACHE"), "*bf16") | {
+        "POS": "*i32", "COS": "*fp32", "SIN": "*fp32", "SLOTS": "*i64", "eps": "fp32"
+    }  # fmt: skip
+    # As the JIT specializes a launch over whole allocations: every stride a multiple of 16 (heads of 64 or 128).
+    strides = ["stride_qkv", "stride_qt", "stride_qh", "stride_cos", "stride_ks", "stride_kh"]
     compiled = compile_for(
-        triton_ops._rotary_store_kernel,
-        dict.fromkeys(("QKV", "Q_NORM", "K_NORM", "Q_OUT", "K_CACHE", "V_CACHE"), "*bf16")
-        | {"POS": "*i32", "COS": "*fp32", "SIN": "*fp32", "SLOTS": "*i64", "eps": "fp32"},
+        triton_ops._rotary_store_kernel, types,
         dict(NUM_HEADS=28, NUM_KV_HEADS=4, HEAD_DIM=head_dim, HAS_NORM=qk_norm, BLOCK_M=triton_ops.ROTARY_TOKENS,
              USE_PDL=True),
-        num_warps=2,
+        _pointers(types) + strides, num_warps=2,
     )  # fmt: skip
     assert register_use(compiled).spill_stores == 0
 
@@ -159,7 +172,7 @@ def test_decode_linear_epilogues_compile_for_hopper_with_a_pipelined_k_loop(case
     # As Triton's JIT specializes a 16-row launch of these shapes: every pointer, size and stride a multiple of 16.
     # Without that the loads are not vectorized, and the loop is not pipelined.
     sizes = ("rows", "n", "k_per_split", "K", "prefetch_k", "stride_x", "stride_w", "stride_y", "stride_r")
-    aligned = [name for name, kind in types.items() if kind.startswith("*")] + list(sizes)
+    aligned = _pointers(types) + list(sizes)
     constants = {**DECODE_LINEAR_BASE, **DECODE_LINEAR_CASES[case]}
     stages = 4
     compiled = compile_for(_decode_linear_kernel, types, constants, aligned, num_warps=4, num_stages=stages)
