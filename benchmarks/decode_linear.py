@@ -53,11 +53,11 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from arctic_rl_core.engines.sampling.native import triton_ops
 from arctic_rl_core.engines.sampling.native.decode_linear import (
+    MAX_STAGES,
     LinearTiles,
     decode_linear,
     num_sms,
     pick_tiles,
-    stage_bytes,
 )
 
 # (model, projection, output features, input features, gated)
@@ -166,11 +166,14 @@ def engine_chain_us(
     return graph_us(step, len(weights), replays=20)
 
 
-def engine_tiles(model: str, rows: int, shapes: dict[str, tuple[int, int, bool]]) -> dict[str, LinearTiles | None]:
+def engine_tiles(
+    model: str, rows: int, shapes: dict[str, tuple[int, int, bool]], max_stages: int = MAX_STAGES
+) -> dict[str, LinearTiles | None]:
     """``pick_tiles``' tiles for each of ``shapes`` (``layer_weights``) as the engine picks them: q/k/v one head
-    wide, for its rotary epilogue; None where cuBLAS takes the projection."""
+    wide, for its rotary epilogue; None where cuBLAS takes the projection. ``max_stages``: ``pick_tiles``'."""
     sms = num_sms(torch.device("cuda"))
-    return {name: pick_tiles(rows, n, k, sms, gated, block_n=HEAD_DIM[model] if name == "qkv" else None)
+    return {name: pick_tiles(rows, n, k, sms, gated, block_n=HEAD_DIM[model] if name == "qkv" else None,
+                             max_stages=max_stages)
             for name, (n, k, gated) in shapes.items()}  # fmt: skip
 
 
@@ -256,28 +259,16 @@ def chain_sweep(model: str, rows: int, layers: int) -> dict[str, LinearTiles] | 
     return best
 
 
-def deeper_stages(tiles: LinearTiles, n: int, k: int, rows: int, gated: bool, stages: int) -> LinearTiles:
-    """``tiles`` with ``stages`` pipeline stages, or as many as one K-slice's steps use (one more than its
-    steps: all of them in flight at once) or as fit in the device's shared memory, whichever is fewest."""
-    _, _, k_per_split = tiles.launch(n, k)
-    per_stage = stage_bytes(rows, tiles.block_n, tiles.block_k, gated)
-    props = torch.cuda.get_device_properties(torch.cuda.current_device())
-    # Room for the epilogue's own shared memory (layout conversions of the output tile).
-    budget = getattr(props, "shared_memory_per_block_optin", 232448) - (16 << 10)
-    return dataclasses.replace(tiles, stages=max(1, min(stages, k_per_split // tiles.block_k + 1, budget // per_stage)))
-
-
 def chain_stages(model: str, rows: int, layers: int, stage_counts: list[int]) -> dict[str, LinearTiles] | None:
-    """``engine_chain_us`` with ``pick_tiles``' tiles at each of ``stage_counts`` pipeline stages (``deeper_stages``),
-    in turn and then in reverse, so that drift over the run shows: the fastest setting's tiles, by name (None
-    where cuBLAS takes some projection)."""
+    """``engine_chain_us`` with ``pick_tiles``' tiles, its pipeline capped at each of ``stage_counts`` stages (it
+    takes fewer where a slice's steps or shared memory use no more), in turn and then in reverse, so that drift
+    over the run shows: the fastest setting's tiles, by name (None where cuBLAS takes some projection)."""
     shapes, weights = layer_weights(model, layers)
     default = engine_tiles(model, rows, shapes)
     if None in default.values():
         print(f"{model} rows {rows}: cuBLAS takes some projections; no chain", flush=True)
         return None
-    settings = {s: {name: deeper_stages(default[name], n, k, rows, gated, s) for name, (n, k, gated) in shapes.items()}
-                for s in stage_counts}  # fmt: skip
+    settings = {s: engine_tiles(model, rows, shapes, max_stages=s) for s in stage_counts}
     times: dict[int, list[float]] = {s: [] for s in stage_counts}
     for s in [*stage_counts, *reversed(stage_counts)]:
         times[s].append(engine_chain_us(rows, settings[s], weights))

@@ -75,8 +75,9 @@ class LinearTiles:
 
 
 def pick_tiles(
-    rows: int, n: int, k: int, num_sms: int, gated: bool = False, block_n: int | None = None
-) -> LinearTiles | None:
+    rows: int, n: int, k: int, num_sms: int, gated: bool = False, block_n: int | None = None,
+    max_stages: int = MAX_STAGES,
+) -> LinearTiles | None:  # fmt: skip
     """Tiles for an ``n × k`` weight at ``rows`` rows, or None where cuBLAS is the better choice.
 
     From ``benchmarks/decode_linear.py --sweep`` on an H200: 64-row weight
@@ -84,7 +85,8 @@ def pick_tiles(
     keeps at least four 128-column steps (a long K, as in the down
     projection). Batches of 17-64 rows keep cuBLAS for weights over 20 MB.
     ``block_n`` asks for tiles of that many output columns (one head, for
-    ``rotary``).
+    ``rotary``); ``max_stages`` caps the pipeline below (``decode_linear.py
+    --chain-stages`` times other caps).
 
     The K loop's software pipeline is as deep as a slice's steps use (one
     more stage than steps puts them all in flight), up to six stages and
@@ -109,7 +111,7 @@ def pick_tiles(
         split_k *= 2
     slice_steps = triton.cdiv(steps, split_k)
     fits = (200 << 10) // stage_bytes(rows, block_n, block_k, gated)
-    return LinearTiles(block_n, block_k, split_k, stages=max(1, min(MAX_STAGES, slice_steps + 1, fits)))
+    return LinearTiles(block_n, block_k, split_k, stages=max(1, min(max_stages, slice_steps + 1, fits)))
 
 
 def stage_bytes(rows: int, block_n: int, block_k: int, gated: bool = False) -> int:
