@@ -1,6 +1,16 @@
 """FCA kernel variants side by side on one GPU: attend and merge times per case, and exactness against plain.
 
-python benchmarks/fca_sweep.py [--quick | --suffixes | --plain]
+python benchmarks/fca_sweep.py [--quick | --suffixes | --plain] [--tiles name=value,... ...]
+                               [--carveout none|PERCENT]
+
+``--carveout none`` leaves the attention and merge kernels' shared-memory
+carveout to Triton and the driver (``triton_attention.SHARED_CARVEOUT``);
+a percentage asks for that one instead. It holds for the whole run.
+
+``--tiles`` times the given variants of the default tile shape (each a
+``name=value,...`` list, as ``fca.py --tiles`` takes) between two runs of
+the default, instead of the built-in list; with ``--plain`` or
+``--suffixes``, those runs use each variant in turn.
 
 ``--suffixes`` times the default alone over 8K shared prefixes with shorter
 suffixes (256, 64, 1 positions): what the per-request suffix units cost.
@@ -18,7 +28,7 @@ import dataclasses
 import time
 
 import torch
-from fca import BLOCK, DIM, HEADS, KV_HEADS, SCALE, graph_us, paged_batch
+from fca import BLOCK, DIM, HEADS, KV_HEADS, SCALE, graph_us, paged_batch, tile_shape
 
 from arctic_rl_core.zorro.attention import triton_attention as kernel
 from arctic_rl_core.zorro.attention.forest import PrefixForest, build_forest
@@ -143,23 +153,36 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--suffixes", action="store_true", help="the default with suffixes of 256, 64 and 1")
     parser.add_argument("--plain", action="store_true", help="plain decode, planned for fewer items than the engine")
+    parser.add_argument("--tiles", nargs="+", default=[], metavar="CHANGES",
+                        help="variants (name=value,...) to time between two runs of the default")  # fmt: skip
+    parser.add_argument("--carveout", type=lambda v: None if v == "none" else int(v), default=kernel.SHARED_CARVEOUT,
+                        help="the attention and merge kernels' shared-memory carveout, percent, or none")  # fmt: skip
     args = parser.parse_args()
+    kernel.SHARED_CARVEOUT = args.carveout  # before the first kernel is loaded, which is when it is asked for
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    print(f"device: {torch.cuda.get_device_name()}, {sms} SMs")
+    print(f"device: {torch.cuda.get_device_name()}, {sms} SMs; shared-memory carveout {args.carveout}")
+    default = TileShape(GROUP)
+    given = [default, *(tile_shape(changes) for changes in args.tiles), default] if args.tiles else None
     if args.plain:
-        for requests in (64, 16):
-            for length in (128, 256, 384, 1024, 4096):
-                plain_targets(requests, length, TileShape(GROUP), 4 * sms // KV_HEADS)
+        for tiles in given or [default]:
+            if given:
+                print(f"tiles: {tiles}", flush=True)
+            for requests in (64, 16):
+                for length in (128, 256, 384, 1024, 4096):
+                    plain_targets(requests, length, tiles, 4 * sms // KV_HEADS)
         return
     if args.suffixes:
         target = 4 * sms // KV_HEADS
-        for label, groups, per_group in CASES:
-            for suffix in (256, 64, 1, 256):
-                r = measure(paged_batch(groups, per_group, 8192, suffix), TileShape(GROUP), target)
-                print(f"{label} prefix 8192 suffix {suffix:3d}: {describe(r)}", flush=True)
+        for tiles in given or [default]:
+            if given:
+                print(f"tiles: {tiles}", flush=True)
+            for label, groups, per_group in CASES:
+                for suffix in (256, 64, 1, 256):
+                    r = measure(paged_batch(groups, per_group, 8192, suffix), tiles, target)
+                    print(f"{label} prefix 8192 suffix {suffix:3d}: {describe(r)}", flush=True)
         return
     batches = {label: paged_batch(g, per, 8192, 256) for label, g, per in CASES}
-    for tiles, factor in variants(args.quick):
+    for tiles, factor in [(tiles, 1.0) for tiles in given] if given else variants(args.quick):
         target = int(factor * 4 * sms // KV_HEADS)
         start = time.perf_counter()
         kernel.BUILDS.clear()
