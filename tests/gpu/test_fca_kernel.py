@@ -47,18 +47,21 @@ def _run(q, caches, tables, lengths, plan, positions, tiles, decode=True):
     return out, block_tables
 
 
-# The defaults (64-row tiles of up to 9 requests, early loads), 128-row tiles (a group of 16 requests in one),
-# every load after the wait, and 64-bit cache offsets (what caches of 2**31 values or more take).
+# The defaults (64-row tiles of up to 9 requests, early loads, Triton's pipelining), 128-row tiles (a group of 16
+# requests in one), every load after the wait, 64-bit cache offsets (what caches of 2**31 values or more take), and
+# the wide tiles' loads ahead by hand (with the early loads of their first keys that path makes).
 TILES = [
     TileShape(GROUP),
     TileShape(GROUP, **ROWS_128),
     TileShape(GROUP, early_loads=False),
     TileShape(GROUP, int32_offsets=False),
+    TileShape(GROUP, wide_stages=0),
 ]
 
 
 def _tiles_id(tiles: TileShape) -> str:
-    return f"{tiles.wide_rows}rows{'-early' if tiles.early_loads else ''}{'' if tiles.int32_offsets else '-int64'}"
+    return (f"{tiles.wide_rows}rows{'-early' if tiles.early_loads else ''}{'' if tiles.int32_offsets else '-int64'}"
+            f"{'-hand' if tiles.wide_stages == 0 else ''}")  # fmt: skip
 
 
 @pytest.mark.parametrize("tiles", TILES, ids=_tiles_id)
@@ -205,3 +208,27 @@ def test_graph_replay_follows_the_plan_written_into_static_buffers():
         graph.replay()
         expected = paged_decode_attention(q.float(), caches[0].float(), caches[1].float(), block_tables, lens, D**-0.5)
         torch.testing.assert_close(out.float(), expected, atol=2e-2, rtol=2e-2)
+
+
+def test_attention_and_merge_kernels_ask_for_one_shared_memory_carveout():
+    """Programs of kernels with different carveouts do not share a multiprocessor, so the merge, launched early as a
+    dependent, asks for the attention kernel's (``SHARED_CARVEOUT``): read back from the driver for every build."""
+    import ctypes
+
+    from arctic_rl_core.zorro.attention import triton_attention as kernel
+
+    tables, lengths = _forest_batch()
+    forest = build_forest(tables, lengths, BS)
+    tiles = TileShape(GROUP)
+    q = torch.randn(len(tables), HKV * GROUP, D, device="cuda").to(torch.bfloat16)
+    positions = torch.tensor([n - 1 for n in lengths], dtype=torch.int32, device="cuda")
+    _run(q, _cache(torch.bfloat16), tables, lengths, plan_decode(forest, lengths, tiles, 264), positions, tiles)
+    torch.cuda.synchronize()
+    libcuda = ctypes.CDLL("libcuda.so.1")
+    for jit in (kernel._attend_items, kernel._merge_partials):
+        builds = [b for caches in jit.device_caches.values() for b in caches[0].values()]
+        assert builds, f"{jit.__name__} was never built"
+        for build in builds:
+            value = ctypes.c_int(-1)
+            status = libcuda.cuFuncGetAttribute(ctypes.byref(value), 9, ctypes.c_void_p(build.function))
+            assert status == 0 and value.value == kernel.SHARED_CARVEOUT, (jit.__name__, status, value.value)

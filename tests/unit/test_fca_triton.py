@@ -284,7 +284,21 @@ CHECKS = {
         partial(check_cascade_decode_kernel_equals_plain_attention, narrow_prefetch=True),
         (3, 64),
     ),
-    "cascade_decode[wide_stages]": (
+    # Wide tiles' loads one step ahead by hand (wide_stages=0), with and without the early loads that path
+    # makes before the wait (a prefill tile's first step reloaded after it), and in Triton's shallower pipeline.
+    "cascade_decode[hand_prefetch]": (
+        partial(check_cascade_decode_kernel_equals_plain_attention, wide_stages=0),
+        (3, 64),
+    ),
+    "cascade_decode[early_loads,hand_prefetch]": (
+        partial(check_cascade_decode_kernel_equals_plain_attention, early_loads=True, wide_stages=0),
+        (3, 64),
+    ),
+    "prefill_causal[long_prefix,early_loads,hand_prefetch]": (
+        partial(check_prefill_kernel_is_causal_after_a_cached_prefix, early_loads=True, wide_stages=0),
+        (True,),
+    ),
+    "cascade_decode[wide_stages=3]": (
         partial(check_cascade_decode_kernel_equals_plain_attention, wide_stages=3),
         (3, 64),
     ),

@@ -9,6 +9,7 @@ attention variant) that would not build on the GPU machine fails here first.
 
 import collections
 import dataclasses
+import re
 
 import pytest
 import torch
@@ -25,9 +26,12 @@ VARIANTS = {
     "late_loads": dataclasses.replace(DEFAULT, early_loads=False),
     "rows128": dataclasses.replace(DEFAULT, **ROWS_128),
     "narrow_prefetch": dataclasses.replace(DEFAULT, narrow_prefetch=True),
-    "wide_stages": dataclasses.replace(DEFAULT, wide_stages=3),
+    "hand_prefetch": dataclasses.replace(DEFAULT, wide_stages=0),
+    "late_loads_hand_prefetch": dataclasses.replace(DEFAULT, early_loads=False, wide_stages=0),
+    "wide_stages=3": dataclasses.replace(DEFAULT, wide_stages=3),
     "int64_offsets": dataclasses.replace(DEFAULT, int32_offsets=False),
 }
+HAND_PREFETCH = VARIANTS["hand_prefetch"]
 
 
 def _pointers(types: dict[str, str]) -> list[str]:
@@ -66,13 +70,30 @@ def test_register_use_reads_ptxas_and_respects_the_cap():
     assert kernel.programs_per_sm(uncapped.registers, 8, 0) == 1
 
 
+def _steps_issued_before_the_wide_loop(tiles: TileShape) -> float:
+    """How many steps' keys and values Triton's pipeline copies before the wide tiles' step loop starts (their copies
+    into shared memory, up to the first loop that carries values: the wide tiles' steps)."""
+    ttgir = _compile_attention(tiles, wide=True, decode=True).asm["ttgir"]
+    before_loop = ttgir[: re.search(r"scf\.for .* iter_args", ttgir).start()]
+    return len(re.findall(rf"async_copy_global_to_local .* -> <{tiles.block_n}x64xbf16", before_loop)) / 2
+
+
+def test_wide_step_loop_keeps_two_steps_of_keys_in_flight():
+    """Each step's block ids take a pipeline stage ahead of its keys and values, so below five stages Triton copies a
+    step's keys at the end of the step before, with nothing to hide their latency behind; from five on, two steps
+    ahead (the default)."""
+    assert _steps_issued_before_the_wide_loop(dataclasses.replace(DEFAULT, wide_stages=4)) == 1
+    assert _steps_issued_before_the_wide_loop(DEFAULT) == 2
+
+
 def test_wide_step_loop_stores_keys_and_values_straight_from_their_loads():
-    """The 16-bit keys and values cross the step loop as 32-bit words, so nothing re-packs them for shared memory.
+    """Hand prefetched (``wide_stages=0``), the 16-bit keys and values cross the step loop as 32-bit words, so
+    nothing re-packs them for shared memory.
 
     Carried as 16-bit values, each 32-bit pair was re-packed before its store
     (20 PRMT and ~30 more register moves per step on this Triton).
     """
-    opcodes = collections.Counter(loop_opcodes(_compile_attention(DEFAULT, wide=True, decode=True), "tnspB"))
+    opcodes = collections.Counter(loop_opcodes(_compile_attention(HAND_PREFETCH, wide=True, decode=True), "tnspB"))
     assert opcodes["HGMMA"] == 8  # one 64-key step: QK and PV, four k-slices each
     assert opcodes["STS"] == 8  # its keys and values, one 16-byte store per thread each time
     assert opcodes["PRMT"] == 0
@@ -88,7 +109,8 @@ def test_32_bit_offsets_take_fewer_instructions_per_step():
             loop_opcodes(_compile_attention(tiles, wide=True, decode=True), "tnspB", branches_taken=True)
         )
 
-    int32, int64 = whole_step(DEFAULT), whole_step(VARIANTS["int64_offsets"])
+    int32 = whole_step(HAND_PREFETCH)
+    int64 = whole_step(dataclasses.replace(HAND_PREFETCH, int32_offsets=False))
     assert int32["HGMMA"] == int64["HGMMA"] == 8 and int32["STS"] == int64["STS"] == 8
     assert sum(int32.values()) <= sum(int64.values()) - 20
 

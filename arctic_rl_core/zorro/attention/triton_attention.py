@@ -16,11 +16,15 @@ kernel that wrote its queries, and the merge's the attention kernel's.
 
 from __future__ import annotations
 
+import ctypes
+import functools
+import logging
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
+from triton import knobs
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from arctic_rl_core import triton_aot
@@ -34,6 +38,35 @@ _PDL: dict[torch.device, bool] = {}
 # The merge's programs are many and small: at 2 warps (not 4) its launch after the attention kernel took 1.5 us
 # less at 4 groups x 16 on an H100 (24.6 -> 23.1 us for both launches; 1 warp: 23.5).
 MERGE_WARPS = 2
+
+# Shared memory and L1 are one array per multiprocessor, split per kernel (its carveout), and programs of kernels
+# with different splits do not share a multiprocessor. Triton asks for the largest shared part for kernels that use
+# over 48 KiB (the attention kernel with pipelined wide tiles) and leaves the others' to the driver, so the merge's
+# programs, launched early as dependents, could not start beside the attention kernel's last ones: on an H100 the
+# merge added 1.6-1.8 us after the attention launch at 1x16 instead of 0.7 (27th session, same call; with the hand
+# prefetched wide tiles, 24 KiB, asking for it cost 0.7-0.9 us at 4x16). Both kernels ask for the same split here.
+SHARED_CARVEOUT: int | None = 100  # percent of the array as shared memory; None: Triton's and the driver's choice
+_CARVEOUT_KERNELS = frozenset({"_attend_items", "_merge_partials"})
+_CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT = 9
+log = logging.getLogger(__name__)
+
+
+@functools.cache
+def _libcuda() -> ctypes.CDLL:
+    return ctypes.CDLL("libcuda.so.1")
+
+
+def _ask_carveout(module, function, name, metadata_group, hash) -> None:
+    """Triton's kernel-load hook: the attention and merge kernels ask for ``SHARED_CARVEOUT`` (see above)."""
+    if name in _CARVEOUT_KERNELS and SHARED_CARVEOUT is not None:
+        status = _libcuda().cuFuncSetAttribute(
+            ctypes.c_void_p(function), _CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT, SHARED_CARVEOUT
+        )
+        if status:  # only a preference: the kernel runs either way
+            log.warning("cuFuncSetAttribute(%s, preferred shared memory carveout) returned CUDA error %d", name, status)
+
+
+knobs.runtime.kernel_load_end_hook.add(_ask_carveout)
 
 
 def supports_pdl(device: torch.device) -> bool:
@@ -181,14 +214,15 @@ def _attend_item(
 ):  # fmt: skip
     """One work unit: a tile of queries (``BLOCK_M // GROUP`` of them, all heads of one KV head) over a KV range.
 
-    With ``PREFETCH`` (wide tiles) loads run ahead of the arithmetic by hand:
-    block ids two steps, K and V one step, so each step's memory latency
-    hides behind the previous step's matrix work (Triton's own pipelining
-    waits for the block-table load every step). Narrow tiles have little
-    arithmetic to hide behind, and keep Triton's pipelining (``LOOP_STAGES``)
-    and fewer registers (more programs per multiprocessor), unless the tile
-    shape's ``narrow_prefetch`` says otherwise; its ``wide_stages`` gives the
-    wide tiles Triton's pipelining instead.
+    Loads run ahead of the arithmetic, so that each step's memory latency
+    hides behind the steps before. Either Triton pipelines the step loop
+    (``LOOP_STAGES``): a step's keys and values wait for its block ids, so
+    they go ahead two stages per step, and from 5 stages on the keys and
+    values of two steps are in flight in shared memory. Or, with
+    ``PREFETCH``, by hand in registers: block ids two steps ahead, keys and
+    values one. The tile shape's ``wide_stages`` picks for the wide tiles
+    (Triton's by default), and ``narrow_prefetch`` for the narrow ones
+    (Triton's by default, at ``stages``).
 
     A program's ``first`` unit (with early loads) waits here for the kernel
     before it (programmatic dependent launch, ``WAIT``), after the loads that
