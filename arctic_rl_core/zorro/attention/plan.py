@@ -61,8 +61,9 @@ class TileShape:
     programs fit on a multiprocessor (two 8-warp ones at 128, three 4-warp
     ones at 168); ``pdl`` lets the merge launch start
     while the attention kernel drains (programmatic dependent launch);
-    ``early_loads`` lets the attention kernel read its plan, positions and
-    older keys before it waits for the kernel that wrote its queries;
+    ``early_loads`` lets the attention kernel read its plan and positions
+    (and, with the wide tiles' hand prefetch, their older keys) before it
+    waits for the kernel that wrote its queries;
     ``narrow_prefetch`` runs the narrow tiles' loads ahead by hand;
     ``wide_stages`` (> 0) gives the wide tiles Triton's pipelining with that
     many stages, 0 runs their loads one step ahead by hand, in registers;

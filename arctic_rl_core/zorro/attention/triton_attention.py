@@ -227,9 +227,10 @@ def _attend_item(
     A program's ``first`` unit (with early loads) waits here for the kernel
     before it (programmatic dependent launch, ``WAIT``), after the loads that
     kernel cannot be writing: the plan, the block table, the query positions
-    and, in ``DECODE``, the keys and values before the earliest query (that
-    kernel wrote only the queries and their own keys and values). So the
-    chain of dependent loads that starts the unit overlaps its tail.
+    and, with ``PREFETCH`` in ``DECODE``, the keys and values before the
+    earliest query (that kernel wrote only the queries and their own keys
+    and values). So the chain of dependent loads that starts the unit
+    overlaps its tail.
     """
     rows = tl.arange(0, BLOCK_M)
     dims = tl.arange(0, HEAD_DIM)
