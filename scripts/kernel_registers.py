@@ -31,6 +31,7 @@ VARIANTS = {
     "maxnreg=128": dict(wide_maxnreg=128),
     "late_loads": dict(early_loads=False),
     "narrow_prefetch": dict(narrow_prefetch=True),
+    "hand_prefetch": dict(wide_stages=0),
     "wide_stages=3": dict(wide_stages=3),
     "wide_stages=4": dict(wide_stages=4),
     "block_n=32": dict(block_n=32),

@@ -93,7 +93,7 @@ class TileShape:
     # or 4 stages it copies a step's keys at the end of the step before, at 5 two steps ahead. On an H100 (27th
     # session, same call) 5 took the wide tiles' launch from 17.1-17.6 to 16.6-16.8 us at 4x16 (from the hand
     # prefetch, wide_stages=0, the default before; 4 stages: 20.0, 6 and 7 no better than 5). With the merge's
-    # carveout matched (triton_attention.SHARED_CARVEOUT) FCA went from 19.1-19.2 to 18.6-18.7 us (1x16: 9.0-9.2 to
+    # carveout matched (triton_attention.SHARED_CARVEOUT) FCA went from 19.0-19.3 to 18.5-18.7 us (1x16: 9.0-9.2 to
     # 8.7-8.8).
     wide_stages: int = 5
     # On an H100 (13th session, same call): our plain paged kernel 2-3% faster (60.1 -> 58.3 us at 4x16), FCA the

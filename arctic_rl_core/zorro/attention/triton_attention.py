@@ -43,8 +43,9 @@ MERGE_WARPS = 2
 # with different splits do not share a multiprocessor. Triton asks for the largest shared part for kernels that use
 # over 48 KiB (the attention kernel with pipelined wide tiles) and leaves the others' to the driver, so the merge's
 # programs, launched early as dependents, could not start beside the attention kernel's last ones: on an H100 the
-# merge added 1.6-1.8 us after the attention launch at 1x16 instead of 0.7 (27th session, same call; with the hand
-# prefetched wide tiles, 24 KiB, asking for it cost 0.7-0.9 us at 4x16). Both kernels ask for the same split here.
+# merge added 1.5-1.8 us after the attention launch at 1x16 instead of 0.6-0.8 (27th session, same call; with
+# the hand prefetched wide tiles, 24 KiB, asking for it cost 0.7-1.0 us at 4x16). Both kernels ask for the same
+# split here.
 SHARED_CARVEOUT: int | None = 100  # percent of the array as shared memory; None: Triton's and the driver's choice
 _CARVEOUT_KERNELS = frozenset({"_attend_items", "_merge_partials"})
 _CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT = 9
