@@ -230,5 +230,6 @@ def test_attention_and_merge_kernels_ask_for_one_shared_memory_carveout():
         assert builds, f"{jit.__name__} was never built"
         for build in builds:
             value = ctypes.c_int(-1)
-            status = libcuda.cuFuncGetAttribute(ctypes.byref(value), 9, ctypes.c_void_p(build.function))
+            attribute = kernel._CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT
+            status = libcuda.cuFuncGetAttribute(ctypes.byref(value), attribute, ctypes.c_void_p(build.function))
             assert status == 0 and value.value == kernel.SHARED_CARVEOUT, (jit.__name__, status, value.value)
