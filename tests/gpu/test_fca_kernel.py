@@ -224,12 +224,13 @@ def test_attention_and_merge_kernels_ask_for_one_shared_memory_carveout():
     positions = torch.tensor([n - 1 for n in lengths], dtype=torch.int32, device="cuda")
     _run(q, _cache(torch.bfloat16), tables, lengths, plan_decode(forest, lengths, tiles, 264), positions, tiles)
     torch.cuda.synchronize()
-    libcuda = ctypes.CDLL("libcuda.so.1")
     for jit in (kernel._attend_items, kernel._merge_partials):
         builds = [b for caches in jit.device_caches.values() for b in caches[0].values()]
         assert builds, f"{jit.__name__} was never built"
         for build in builds:
             value = ctypes.c_int(-1)
             attribute = kernel._CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT
-            status = libcuda.cuFuncGetAttribute(ctypes.byref(value), attribute, ctypes.c_void_p(build.function))
+            status = kernel._libcuda().cuFuncGetAttribute(
+                ctypes.byref(value), attribute, ctypes.c_void_p(build.function)
+            )
             assert status == 0 and value.value == kernel.SHARED_CARVEOUT, (jit.__name__, status, value.value)
