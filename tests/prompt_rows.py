@@ -5,14 +5,24 @@ from __future__ import annotations
 import torch
 
 
-def right_padded(rows: list[tuple[list[int], list[int]]]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Right-padded input ids, attention mask, and ``select``: the positions whose next token is a response token."""
+def padded(
+    rows: list[tuple[list[int], list[int]]], padding: str = "right"
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Input ids, attention mask, and ``select`` (the positions whose next token is a response token), each row
+    padded on the ``padding`` side ("left" or "right")."""
     width = max(len(p) + len(r) for p, r in rows)
     input_ids = torch.zeros(len(rows), width, dtype=torch.long)
     attention_mask = torch.zeros_like(input_ids)
     select = torch.zeros_like(input_ids, dtype=torch.bool)
     for b, (prompt, response) in enumerate(rows):
-        input_ids[b, : len(prompt) + len(response)] = torch.tensor(prompt + response)
-        attention_mask[b, : len(prompt) + len(response)] = 1
-        select[b, len(prompt) - 1 : len(prompt) + len(response) - 1] = True
+        n = len(prompt) + len(response)
+        start = width - n if padding == "left" else 0
+        input_ids[b, start : start + n] = torch.tensor(prompt + response)
+        attention_mask[b, start : start + n] = 1
+        select[b, start + len(prompt) - 1 : start + n - 1] = True
     return input_ids, attention_mask, select
+
+
+def right_padded(rows: list[tuple[list[int], list[int]]]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``padded`` on the right."""
+    return padded(rows, "right")

@@ -10,6 +10,7 @@ from arctic_rl_core.models.forward import lm_head
 from arctic_rl_core.models.forward import selected_hidden_states as plain_selected_hidden_states
 from arctic_rl_core.models.tiny import FAMILIES, TinySpec, build_tiny_model
 from arctic_rl_core.zorro.train import build_prefix_forest, enable_forest_attention, selected_hidden_states
+from tests.prompt_rows import padded
 
 REL = 1e-5
 
@@ -63,21 +64,6 @@ def nothing_shared(gen):
 CASES = {f.__name__: f for f in (exact_groups, shared_system_prompt, multi_turn, nothing_shared)}
 
 
-def batch(rows, padding):
-    """(prompt, response) pairs -> input_ids, attention_mask, select (positions predicting a response token)."""
-    width = max(len(p) + len(r) for p, r in rows)
-    input_ids = torch.zeros(len(rows), width, dtype=torch.long)
-    attention_mask = torch.zeros(len(rows), width, dtype=torch.long)
-    select = torch.zeros(len(rows), width, dtype=torch.bool)
-    for b, (prompt, response) in enumerate(rows):
-        n = len(prompt) + len(response)
-        start = width - n if padding == "left" else 0
-        input_ids[b, start : start + n] = torch.tensor(prompt + response)
-        attention_mask[b, start : start + n] = 1
-        select[b, start + len(prompt) - 1 : start + n - 1] = True
-    return input_ids, attention_mask, select
-
-
 def grpo_like_loss(model, rows, input_ids, select, advantages):
     """Policy-gradient loss on the response tokens' log-probs, as the engine computes it from the rows."""
     targets = torch.roll(input_ids, -1, dims=1)[select]
@@ -115,7 +101,7 @@ def assert_same_rows_and_grads(model, input_ids, attention_mask, select, **zorro
 @pytest.mark.parametrize("case", ["exact_groups", "shared_system_prompt", "multi_turn"])
 @pytest.mark.parametrize("family", FAMILIES)
 def test_zorro_rows_and_gradients_equal_the_plain_forward(models, family, case, padding):
-    tensors = batch(CASES[case](torch.Generator().manual_seed(0)), padding)
+    tensors = padded(CASES[case](torch.Generator().manual_seed(0)), padding)
     assert build_prefix_forest(*tensors).stats.shared_tokens >= 16
     assert_same_rows_and_grads(models(family), *tensors)
 
@@ -124,20 +110,20 @@ def test_zorro_rows_and_gradients_equal_the_plain_forward(models, family, case, 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_split_varlen_passes_give_the_plain_rows_and_gradients(models, family, case):
     # The GPU kernel's split into own and ancestor passes, run with its plain-torch ops.
-    tensors = batch(CASES[case](torch.Generator().manual_seed(0)), "left")
+    tensors = padded(CASES[case](torch.Generator().manual_seed(0)), "left")
     assert_same_rows_and_grads(models(family), *tensors, kernel="varlen")
 
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_batch_with_nothing_shared_packs_without_sharing_and_still_matches(models, family):
-    tensors = batch(nothing_shared(torch.Generator().manual_seed(0)), "left")
+    tensors = padded(nothing_shared(torch.Generator().manual_seed(0)), "left")
     assert build_prefix_forest(*tensors).stats.shared_tokens == 0
     assert_same_rows_and_grads(models(family), *tensors, min_shared_tokens=0)
 
 
 def test_batch_with_nothing_shared_falls_back_to_the_plain_forward_with_an_info_log(models, caplog):
     model = models("qwen2")
-    tensors = batch(nothing_shared(torch.Generator().manual_seed(0)), "right")
+    tensors = padded(nothing_shared(torch.Generator().manual_seed(0)), "right")
     with caplog.at_level(logging.INFO, logger="arctic_rl_core.zorro.train.forward"):
         rows = selected_hidden_states(model, *tensors)
     assert "running the plain forward" in caplog.text
@@ -149,7 +135,7 @@ def test_gradient_checkpointing_recomputes_the_packed_layers_exactly(models):
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.train()
     try:
-        assert_same_rows_and_grads(model, *batch(exact_groups(torch.Generator().manual_seed(1)), "right"))
+        assert_same_rows_and_grads(model, *padded(exact_groups(torch.Generator().manual_seed(1)), "right"))
     finally:
         model.gradient_checkpointing_disable()
         model.eval()
@@ -158,7 +144,7 @@ def test_gradient_checkpointing_recomputes_the_packed_layers_exactly(models):
 @pytest.mark.parametrize("kernel", ["dense", "flex"])
 def test_sliding_window_limits_packed_attention_like_the_plain_forward(models, kernel):
     model = models("mistral", sliding_window=5)
-    tensors = batch(multi_turn(torch.Generator().manual_seed(2)), "left")
+    tensors = padded(multi_turn(torch.Generator().manual_seed(2)), "left")
     try:
         if kernel == "dense":
             assert_same_rows_and_grads(model, *tensors)
@@ -177,7 +163,7 @@ def test_sliding_window_limits_packed_attention_like_the_plain_forward(models, k
 @pytest.mark.parametrize("case", ["exact_groups", "shared_system_prompt", "multi_turn"])
 def test_flex_block_mask_gives_the_plain_forward_rows(models, case):
     model = models("llama")
-    tensors = batch(CASES[case](torch.Generator().manual_seed(3)), "right")
+    tensors = padded(CASES[case](torch.Generator().manual_seed(3)), "right")
     with torch.no_grad():
         rows = selected_hidden_states(model, *tensors, kernel="flex")
         assert_close_rel(rows, plain_selected_hidden_states(model, *tensors), "rows")
@@ -186,7 +172,7 @@ def test_flex_block_mask_gives_the_plain_forward_rows(models, case):
 def test_enabling_forest_attention_leaves_plain_calls_unchanged(tmp_path):
     path = build_tiny_model(tmp_path / "qwen2", TinySpec(family="qwen2"))
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    tensors = batch(exact_groups(torch.Generator().manual_seed(4)), "left")
+    tensors = padded(exact_groups(torch.Generator().manual_seed(4)), "left")
     before = plain_selected_hidden_states(model, *tensors)
     assert enable_forest_attention(model) == "zorro_sdpa"
     assert enable_forest_attention(model) == "zorro_sdpa"
@@ -197,4 +183,4 @@ def test_model_with_eager_attention_is_rejected_by_name(tmp_path):
     path = build_tiny_model(tmp_path / "llama", TinySpec(family="llama"))
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager")
     with pytest.raises(ValueError, match="attn_implementation.*'eager'"):
-        selected_hidden_states(model, *batch(exact_groups(torch.Generator().manual_seed(0)), "right"))
+        selected_hidden_states(model, *padded(exact_groups(torch.Generator().manual_seed(0)), "right"))

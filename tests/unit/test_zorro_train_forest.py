@@ -4,21 +4,7 @@ import pytest
 import torch
 
 from arctic_rl_core.zorro.train import build_prefix_forest
-
-
-def batch(rows: list[tuple[list[int], list[int]]], padding: str = "right"):
-    """(prompt, response) pairs -> input_ids, attention_mask and select (positions predicting a response token)."""
-    width = max(len(p) + len(r) for p, r in rows)
-    input_ids = torch.zeros(len(rows), width, dtype=torch.long)
-    attention_mask = torch.zeros(len(rows), width, dtype=torch.long)
-    select = torch.zeros(len(rows), width, dtype=torch.bool)
-    for b, (prompt, response) in enumerate(rows):
-        n = len(prompt) + len(response)
-        start = width - n if padding == "left" else 0
-        input_ids[b, start : start + n] = torch.tensor(prompt + response)
-        attention_mask[b, start : start + n] = 1
-        select[b, start + len(prompt) - 1 : start + n - 1] = True
-    return input_ids, attention_mask, select
+from tests.prompt_rows import padded
 
 
 def unpacked_rows(input_ids, attention_mask, select) -> list[tuple[int, int]]:
@@ -45,7 +31,7 @@ def packed_contexts(forest) -> list[list[tuple[int, int]]]:
 
 def test_exact_prompt_group_packs_the_prompt_once_with_one_leaf_per_sample():
     prompt = [5, 6, 7, 8]
-    forest = build_prefix_forest(*batch([(prompt, [10, 11, 12]), (prompt, [20, 21]), (prompt, [30, 31, 32])]))
+    forest = build_prefix_forest(*padded([(prompt, [10, 11, 12]), (prompt, [20, 21]), (prompt, [30, 31, 32])]))
     root, *leaves = forest.nodes
     assert (root.parent, root.depth, root.length) == (-1, 0, len(prompt))
     # Each row is cut after its last selected position: the final response token predicts nothing.
@@ -57,7 +43,7 @@ def test_exact_prompt_group_packs_the_prompt_once_with_one_leaf_per_sample():
 
 def test_shared_system_prompt_becomes_the_root_of_different_questions():
     system, q1, q2 = [1, 2, 3], [40, 41], [50]
-    forest = build_prefix_forest(*batch([(system + q1, [9, 9]), (system + q1, [8, 8]), (system + q2, [7, 7, 7])]))
+    forest = build_prefix_forest(*padded([(system + q1, [9, 9]), (system + q1, [8, 8]), (system + q2, [7, 7, 7])]))
     shapes = [(n.parent, n.depth, n.length) for n in forest.nodes]
     assert shapes == [(-1, 0, 3), (0, 3, 2), (1, 5, 1), (1, 5, 1), (0, 3, 3)]
 
@@ -65,7 +51,7 @@ def test_shared_system_prompt_becomes_the_root_of_different_questions():
 def test_multi_turn_history_is_shared_with_its_continuation():
     turn1, answer1, turn2 = [1, 2, 3], [4, 5], [6, 7]
     history = turn1 + answer1 + turn2
-    tensors = batch([(turn1, answer1 + [0]), (history, [8, 9]), (history, [10, 11])])
+    tensors = padded([(turn1, answer1 + [0]), (history, [8, 9]), (history, [10, 11])])
     forest = build_prefix_forest(*tensors)
     # The first turn's row ends inside the later rows' history: its positions are theirs.
     assert forest.stats.tokens_packed == len(history) + 1 + 1
@@ -76,57 +62,57 @@ def test_multi_turn_history_is_shared_with_its_continuation():
 @pytest.mark.parametrize("padding", ["left", "right"])
 def test_every_selected_token_sees_exactly_its_own_unpadded_context(padding):
     rows = [([1, 2, 3, 4], [5, 6, 7]), ([1, 2, 3, 4], [5, 8]), ([1, 2, 9], [3, 3, 3, 3]), ([7], [1, 2])]
-    tensors = batch(rows, padding)
+    tensors = padded(rows, padding)
     assert packed_contexts(build_prefix_forest(*tensors)) == unpacked_rows(*tensors)
 
 
 def test_left_and_right_padding_build_the_same_forest():
     rows = [([1, 2, 3], [4, 5, 6]), ([1, 2, 3], [7]), ([2, 2], [1, 1, 1, 1])]
-    left, right = build_prefix_forest(*batch(rows, "left")), build_prefix_forest(*batch(rows, "right"))
+    left, right = build_prefix_forest(*padded(rows, "left")), build_prefix_forest(*padded(rows, "right"))
     assert left.nodes == right.nodes
     assert torch.equal(left.token_ids, right.token_ids) and torch.equal(left.select_index, right.select_index)
 
 
 def test_identical_rows_share_every_token():
-    forest = build_prefix_forest(*batch([([1, 2], [3, 4]), ([1, 2], [3, 4])]))
+    forest = build_prefix_forest(*padded([([1, 2], [3, 4]), ([1, 2], [3, 4])]))
     assert forest.stats.tokens_packed == 3
     first, second = forest.select_index.view(2, -1)
     assert torch.equal(first, second)
 
 
 def test_rows_with_nothing_selected_are_left_out():
-    input_ids, attention_mask, select = batch([([1, 2], [3, 4]), ([5, 6], [7, 8])])
+    input_ids, attention_mask, select = padded([([1, 2], [3, 4]), ([5, 6], [7, 8])])
     select[1] = False
     forest = build_prefix_forest(input_ids, attention_mask, select)
     assert forest.stats.tokens_packed == 3 and forest.stats.selected == 2
 
 
 def test_batch_with_nothing_shared_packs_every_needed_token_once():
-    forest = build_prefix_forest(*batch([([1, 2], [3, 4]), ([5, 6, 7], [8])]))
+    forest = build_prefix_forest(*padded([([1, 2], [3, 4]), ([5, 6, 7], [8])]))
     assert forest.stats.shared_tokens == 0
     assert forest.stats.tokens_packed == 3 + 3
 
 
 def test_positions_restart_at_zero_in_every_row():
-    forest = build_prefix_forest(*batch([([1, 2, 3], [4, 5]), ([9, 9], [1])], "left"))
+    forest = build_prefix_forest(*padded([([1, 2, 3], [4, 5]), ([9, 9], [1])], "left"))
     assert forest.positions.tolist() == [0, 1, 2, 3, 0, 1]
 
 
 def test_metrics_report_tokens_before_and_after_sharing():
-    metrics = build_prefix_forest(*batch([([1, 2, 3, 4], [5, 6]), ([1, 2, 3, 4], [7, 8])])).stats.metrics()
+    metrics = build_prefix_forest(*padded([([1, 2, 3, 4], [5, 6]), ([1, 2, 3, 4], [7, 8])])).stats.metrics()
     assert metrics["zorro_train/tokens_real"] == 12.0
     assert metrics["zorro_train/tokens_packed"] == 4 + 1 + 1
     assert metrics["zorro_train/dedup_ratio"] == 2.0
 
 
 def test_select_on_padding_is_rejected_by_name():
-    input_ids, attention_mask, select = batch([([1, 2], [3]), ([1, 2, 3], [4, 5])])
+    input_ids, attention_mask, select = padded([([1, 2], [3]), ([1, 2, 3], [4, 5])])
     select[0, -1] = True
     with pytest.raises(ValueError, match="select marks padding at row 0"):
         build_prefix_forest(input_ids, attention_mask, select)
 
 
 def test_mismatched_shapes_are_rejected_by_name():
-    input_ids, attention_mask, select = batch([([1, 2], [3])])
+    input_ids, attention_mask, select = padded([([1, 2], [3])])
     with pytest.raises(ValueError, match="attention_mask must have input_ids' shape"):
         build_prefix_forest(input_ids, attention_mask[:, :-1], select)
