@@ -10,6 +10,8 @@ def padded(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Input ids, attention mask, and ``select`` (the positions whose next token is a response token), each row
     padded on the ``padding`` side ("left" or "right")."""
+    if padding not in ("left", "right"):
+        raise ValueError(f"padding must be 'left' or 'right', got {padding!r}")
     width = max(len(p) + len(r) for p, r in rows)
     input_ids = torch.zeros(len(rows), width, dtype=torch.long)
     attention_mask = torch.zeros_like(input_ids)
@@ -21,8 +23,3 @@ def padded(
         attention_mask[b, start : start + n] = 1
         select[b, start + len(prompt) - 1 : start + n - 1] = True
     return input_ids, attention_mask, select
-
-
-def right_padded(rows: list[tuple[list[int], list[int]]]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``padded`` on the right."""
-    return padded(rows, "right")

@@ -11,7 +11,7 @@ from arctic_rl_core.models.tiny import TinySpec, build_tiny_model
 from arctic_rl_core.zorro.train import attention as zorro_attention
 from arctic_rl_core.zorro.train import build_prefix_forest
 from arctic_rl_core.zorro.train import selected_hidden_states as zorro_selected_hidden_states
-from tests.prompt_rows import right_padded
+from tests.prompt_rows import padded
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -35,7 +35,7 @@ def grpo_rows(order=(0, 1, 2, 3, 4, 5), seed=0, first_tokens=(5, 900)):
         for response_length in (40, 90, 65):
             rows.append((prompt, torch.randint(3, 1000, (response_length,), generator=gen).tolist()))
     rows = [rows[i] for i in order]
-    return tuple(t.cuda() for t in right_padded(rows))
+    return tuple(t.cuda() for t in padded(rows))
 
 
 def loss_of(model, forward, batch, graphs):

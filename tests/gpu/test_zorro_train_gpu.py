@@ -9,7 +9,7 @@ from arctic_rl_core.models.forward import selected_hidden_states as plain_select
 from arctic_rl_core.models.tiny import TinySpec, build_tiny_model
 from arctic_rl_core.zorro.train import ForestAttention, build_prefix_forest, selected_hidden_states
 from arctic_rl_core.zorro.train import attention as zorro_attention
-from tests.prompt_rows import right_padded
+from tests.prompt_rows import padded
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -23,7 +23,7 @@ def forest_batch(device):
         prompt = system + torch.randint(3, 1000, (question_length,), generator=gen).tolist()
         for response_length in (60, 150, 101):
             rows.append((prompt, torch.randint(3, 1000, (response_length,), generator=gen).tolist()))
-    return tuple(t.to(device) for t in right_padded(rows))
+    return tuple(t.to(device) for t in padded(rows))
 
 
 def rows_and_grads(model, forward, input_ids, attention_mask, select):

@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from arctic_rl_core.zorro.train import ForestAttention, VarlenLayout, build_prefix_forest
 from arctic_rl_core.zorro.train.attention import FLEX_BLOCK
 from arctic_rl_core.zorro.train.split_attention import SplitLayout
-from tests.prompt_rows import right_padded
+from tests.prompt_rows import padded
 
 CPU = torch.device("cpu")
 
@@ -98,7 +98,7 @@ def nested_forest():
         prompt = system + torch.randint(3, 1000, (question,), generator=gen).tolist()
         rows += [(prompt, torch.randint(3, 1000, (n,), generator=gen).tolist()) for n in (4, 7, 6)]
     rows.append((system[:8], system[8:] + [1]))
-    return build_prefix_forest(*right_padded(rows))
+    return build_prefix_forest(*padded(rows))
 
 
 @pytest.mark.parametrize("window", [None, 7])
