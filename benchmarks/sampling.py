@@ -70,6 +70,17 @@ def gpu_ms(fn, repeat: int = 50) -> float:
     return sorted(times)[repeat // 2]
 
 
+def kernel_ms(fn, repeat: int = 20) -> float:
+    """Device time of ``fn``'s kernels per call in milliseconds, from the profiler (host launch time excluded)."""
+    fn()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(repeat):
+            fn()
+        torch.cuda.synchronize()
+    return sum(e.self_device_time_total for e in prof.key_averages()) / repeat / 1e3
+
+
 def weight_bytes(model: torch.nn.Module) -> int:
     return sum(p.numel() * p.element_size() for p in model.parameters())
 
@@ -102,8 +113,19 @@ def native_engine(path: Path, max_model_len: int, max_num_seqs: int, **options):
     return NativeEngine(str(path), opts)
 
 
-def decode_profile(engine, batch: int, vocab: int) -> None:
-    """Where a decode step goes: the graph replay (whole model and LM head), the sampler, and the host."""
+def timed_generate(engine, prompts: torch.Tensor, params) -> tuple[float, list]:
+    """Wall seconds of one ``generate`` over ``prompts`` with nothing cached from an earlier run, and its outputs."""
+    engine.reset_prefix_cache()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    outputs = engine.generate(prompts.tolist(), params)
+    torch.cuda.synchronize()
+    return time.perf_counter() - start, outputs
+
+
+def decode_profile(engine, batch: int, vocab: int, step_ms: float) -> None:
+    """Where a decode step of ``step_ms`` (wall) goes: the graph replay (whole model and LM head), the sampler's
+    kernels, and what is left: host work and launches the device waited for."""
     from arctic_rl_core.engines.sampling.native import ops
 
     runner = engine.runner
@@ -121,8 +143,15 @@ def decode_profile(engine, batch: int, vocab: int) -> None:
         min_tokens=torch.zeros(batch, dtype=torch.int64, device="cuda"),
     )
     no_floor = torch.full((batch,), float("-inf"), device="cuda")
-    sampler_ms = gpu_ms(lambda: ops.sample_tokens(logits, rows, 0, no_floor))
-    print(f"profile: decode graph replay (B={key[0]}) {graph_ms:.3f} ms, sampling kernel {sampler_ms:.3f} ms per step")
+    sample = lambda: ops.sample_tokens(logits, rows, 0, no_floor)  # noqa: E731
+    # Events around one call also time the host's launches whenever those take longer than the kernels, so the
+    # device's share is read from the profiler's kernel times.
+    call_ms = gpu_ms(sample)
+    sampler_ms = kernel_ms(sample)
+    print(f"profile: decode step {step_ms:.3f} ms wall = graph replay (B={key[0]}) {graph_ms:.3f} ms + sampler "
+          f"kernels {sampler_ms:.3f} ms + host work and launches not overlapped "
+          f"{step_ms - graph_ms - sampler_ms:.3f} ms (the sampler's call alone, launches included, "
+          f"{call_ms:.3f} ms)")  # fmt: skip
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         for _ in range(10):
             runner.graphs[key].replay()
@@ -163,11 +192,9 @@ def main() -> None:
     init_s = time.perf_counter() - start
     params = SamplingParams(max_tokens=args.new_tokens, temperature=1.0, ignore_eos=True, seed=0)
     engine.generate(prompts[:, :16].tolist(), params.model_copy(update={"max_tokens": 4}))
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    outputs = engine.generate(prompts.tolist(), params)
-    torch.cuda.synchronize()
-    native_s = time.perf_counter() - start
+    # The prefill alone (one token each), then the whole run: the difference is the decode steps.
+    prefill_s, _ = timed_generate(engine, prompts, params.model_copy(update={"max_tokens": 1}))
+    native_s, outputs = timed_generate(engine, prompts, params)
     assert sum(len(o[0].token_ids) for o in outputs) == tokens
 
     wbytes = weight_bytes(engine.runner.model)
@@ -182,7 +209,7 @@ def main() -> None:
     print(f"speedup vs HF   : {native_tps / hf_tps:8.1f}x")
     print(f"weight-bandwidth bound: {bound:.0f} tok/s; native reaches {native_tps / bound:.1%} of it "
           f"({native_s / args.new_tokens * 1e3:.2f} ms per step incl. prefill)")  # fmt: skip
-    decode_profile(engine, args.batch, QWEN2_05B["vocab_size"])
+    decode_profile(engine, args.batch, QWEN2_05B["vocab_size"], (native_s - prefill_s) / (args.new_tokens - 1) * 1e3)
 
 
 if __name__ == "__main__":
