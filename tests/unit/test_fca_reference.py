@@ -75,6 +75,31 @@ def test_cascade_equals_plain_with_block_unaligned_shared_prefixes():
     torch.testing.assert_close(cascade, plain, atol=1e-5, rtol=1e-5)
 
 
+def test_batched_plain_decode_equals_each_request_attending_over_its_own_gathered_context():
+    # The padded batch against the definition, one request at a time: ragged lengths, grouped-query heads.
+    k_cache, v_cache = _cache()
+    tables = _tables([[3, 4, 5, 6], [7], [8, 9], [0, 1, 2, 10, 11]])
+    lengths = [13, 1, 8, 18]
+    q = _queries(len(lengths))
+    out = paged_decode_attention(q, k_cache, v_cache, tables, lengths, SCALE)
+    for r, length in enumerate(lengths):
+        k, v = gather_kv(k_cache, tables[r], 0, length), gather_kv(v_cache, tables[r], 0, length)
+        torch.testing.assert_close(out[r], attention_with_lse(q[r : r + 1], k, v, SCALE)[0][0], atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("lengths", [[10, 13], [10, 10]], ids=["one suffix empty", "every suffix empty"])
+def test_cascade_equals_plain_when_a_context_ends_with_its_shared_prefix(lengths):
+    k_cache, v_cache = _cache()
+    for cache in (k_cache, v_cache):
+        cache[8, :2] = cache[2, :2]  # as above: request 1's positions 8, 9 hold request 0's keys
+    tables = _tables([[0, 1, 2, 5], [0, 1, 8, 9]])
+    forest = PrefixForest(prefixes=(SharedPrefix(0, 10, (0, 1), source=0, depth=1),), suffix_starts=(10, 10))
+    q = _queries(2)
+    plain = paged_decode_attention(q, k_cache, v_cache, tables, lengths, SCALE)
+    cascade = cascade_attention(q, k_cache, v_cache, tables, lengths, forest, SCALE)
+    torch.testing.assert_close(cascade, plain, atol=1e-5, rtol=1e-5)
+
+
 def test_merging_partials_over_a_split_key_set_equals_attention_over_all_keys():
     g = torch.Generator().manual_seed(3)
     q, k, v = torch.randn(5, 4, D, generator=g), torch.randn(23, 2, D, generator=g), torch.randn(23, 2, D, generator=g)

@@ -28,6 +28,22 @@ def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, start: int, end: i
     return cache.flatten(0, 1)[slots]
 
 
+def gather_kv_rows(
+    cache: torch.Tensor, block_tables: torch.Tensor, starts: Sequence[int], ends: Sequence[int]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Positions ``[starts[r], ends[r])`` of every request ``r``, padded to the longest: ``[R, L, num_kv_heads,
+    head_dim]`` and which entries are real, ``[R, L]``. Padding reads each request's first slot."""
+    block_size = cache.shape[1]
+    starts_t = torch.as_tensor(starts, dtype=torch.int64, device=cache.device)
+    ends_t = torch.as_tensor(ends, dtype=torch.int64, device=cache.device)
+    width = int((ends_t - starts_t).max()) if len(starts_t) else 0
+    positions = starts_t[:, None] + torch.arange(width, device=cache.device)[None, :]
+    valid = positions < ends_t[:, None]
+    positions = positions.where(valid, 0)
+    blocks = block_tables[: len(starts_t)].long().gather(1, positions // block_size)
+    return cache.flatten(0, 1)[blocks * block_size + positions % block_size], valid
+
+
 def attention_with_lse(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -57,6 +73,34 @@ def attention_with_lse(
     return out, lse.transpose(0, 1).contiguous()
 
 
+def batched_attention_with_lse(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One query per request, ``q [R, H, D]``, over its own keys ``k, v [R, L, Hkv, D]`` where ``valid [R, L]``:
+    ``attention_with_lse`` for every request in one pass (float32 output and log-sum-exp ``[R, H]``)."""
+    rows, heads, dim = q.shape
+    kv_heads = k.shape[2]
+    # Query head h reads KV head h // group, as repeat_interleave lays them out.
+    q = q.float().view(rows, kv_heads, heads // kv_heads, dim)
+    scores = torch.einsum("rkgd,rlkd->rkgl", q, k.float()) * scale
+    scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)
+    weights = torch.exp(scores - lse.clamp_min(torch.finfo(torch.float32).min)[..., None])
+    out = torch.einsum("rkgl,rlkd->rkgd", weights, v.float())
+    return out.reshape(rows, heads, dim), lse.reshape(rows, heads)
+
+
+def merge_two_states(
+    a: tuple[torch.Tensor, torch.Tensor], b: tuple[torch.Tensor, torch.Tensor]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``merge_attention_states`` of two partials, keeping the merged log-sum-exp (outputs ``[..., H, D]``)."""
+    (out_a, lse_a), (out_b, lse_b) = a, b
+    total = torch.logaddexp(lse_a, lse_b)
+    shift = total.clamp_min(torch.finfo(torch.float32).min)
+    out = torch.exp(lse_a - shift)[..., None] * out_a + torch.exp(lse_b - shift)[..., None] * out_b
+    return out, total
+
+
 def merge_attention_states(states: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
     """Exact softmax attention over the union of the key sets that produced ``(out, lse)`` partials."""
     outs = torch.stack([o for o, _ in states])
@@ -74,13 +118,15 @@ def paged_decode_attention(
     context_lens: Sequence[int],
     scale: float,
 ) -> torch.Tensor:
-    """Plain attention of one query per request over its whole context: ``[B, H, D]`` in ``q``'s dtype."""
-    out = torch.empty_like(q)
-    for r, length in enumerate(context_lens):
-        k = gather_kv(k_cache, block_tables[r], 0, length)
-        v = gather_kv(v_cache, block_tables[r], 0, length)
-        out[r] = attention_with_lse(q[r : r + 1], k, v, scale)[0][0].to(q.dtype)
-    return out
+    """Plain attention of one query per request over its whole context: ``[B, H, D]`` in ``q``'s dtype.
+
+    Each row is ``attention_with_lse`` of that query over ``gather_kv`` of its
+    context; the requests run as one padded, masked batch.
+    """
+    starts = [0] * len(context_lens)
+    k, valid = gather_kv_rows(k_cache, block_tables, starts, context_lens)
+    v, _ = gather_kv_rows(v_cache, block_tables, starts, context_lens)
+    return batched_attention_with_lse(q, k, v, valid, scale)[0].to(q.dtype)
 
 
 def paged_prefill_attention(
@@ -118,21 +164,20 @@ def cascade_attention(
     forest: PrefixForest,
     scale: float,
 ) -> torch.Tensor:
-    """Forest Cascade Attention for one query per request; equals ``paged_decode_attention``."""
+    """Forest Cascade Attention for one query per request; equals ``paged_decode_attention``.
+
+    Each shared prefix is read once, for all its members; then every request's
+    own suffix (one padded batch) is merged into what its prefixes gave.
+    """
     if forest.num_requests != q.shape[0]:
         raise ValueError(f"forest covers {forest.num_requests} requests, q has {q.shape[0]}")
-    states: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in range(q.shape[0])]
+    state = (q.new_zeros(q.shape, dtype=torch.float32), q.new_full(q.shape[:2], float("-inf"), dtype=torch.float32))
     for prefix in forest.prefixes:
         k = gather_kv(k_cache, block_tables[prefix.source], prefix.start, prefix.end)
         v = gather_kv(v_cache, block_tables[prefix.source], prefix.start, prefix.end)
-        members = list(prefix.members)
-        out, lse = attention_with_lse(q[members], k, v, scale)
-        for i, r in enumerate(members):
-            states[r].append((out[i], lse[i]))
-    for r, (start, length) in enumerate(zip(forest.suffix_starts, context_lens)):
-        if start < length:
-            k = gather_kv(k_cache, block_tables[r], start, length)
-            v = gather_kv(v_cache, block_tables[r], start, length)
-            out, lse = attention_with_lse(q[r : r + 1], k, v, scale)
-            states[r].append((out[0], lse[0]))
-    return torch.stack([merge_attention_states(s) for s in states]).to(q.dtype)
+        members = torch.tensor(prefix.members, device=q.device)
+        merged = merge_two_states((state[0][members], state[1][members]), attention_with_lse(q[members], k, v, scale))
+        state[0][members], state[1][members] = merged
+    k, valid = gather_kv_rows(k_cache, block_tables, forest.suffix_starts, context_lens)
+    v, _ = gather_kv_rows(v_cache, block_tables, forest.suffix_starts, context_lens)
+    return merge_two_states(state, batched_attention_with_lse(q, k, v, valid, scale))[0].to(q.dtype)
