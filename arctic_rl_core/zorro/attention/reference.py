@@ -13,6 +13,7 @@ partial results by their log-sum-exp weights.
 
 from __future__ import annotations
 
+import functools
 from typing import Sequence
 
 import torch
@@ -93,7 +94,8 @@ def batched_attention_with_lse(
 def merge_two_states(
     a: tuple[torch.Tensor, torch.Tensor], b: tuple[torch.Tensor, torch.Tensor]
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``merge_attention_states`` of two partials, keeping the merged log-sum-exp (outputs ``[..., H, D]``)."""
+    """Two ``(out, lse)`` partials as one over the union of their key sets, with its log-sum-exp (outputs
+    ``[..., H, D]``). A partial over no key (lse -inf, out 0) is the identity."""
     (out_a, lse_a), (out_b, lse_b) = a, b
     total = torch.logaddexp(lse_a, lse_b)
     shift = total.clamp_min(torch.finfo(torch.float32).min)
@@ -103,11 +105,7 @@ def merge_two_states(
 
 def merge_attention_states(states: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
     """Exact softmax attention over the union of the key sets that produced ``(out, lse)`` partials."""
-    outs = torch.stack([o for o, _ in states])
-    lses = torch.stack([lse for _, lse in states])
-    total = torch.logsumexp(lses, dim=0)
-    weights = torch.exp(lses - total.clamp_min(torch.finfo(torch.float32).min)[None])
-    return (weights[..., None] * outs).sum(dim=0)
+    return functools.reduce(merge_two_states, states)[0]
 
 
 def paged_decode_attention(
