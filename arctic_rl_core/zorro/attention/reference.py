@@ -30,19 +30,25 @@ def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, start: int, end: i
 
 
 def gather_kv_rows(
-    cache: torch.Tensor, block_tables: torch.Tensor, starts: Sequence[int], ends: Sequence[int]
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Positions ``[starts[r], ends[r])`` of every request ``r``, padded to the longest: ``[R, L, num_kv_heads,
-    head_dim]`` and which entries are real, ``[R, L]``. Padding reads each request's first slot."""
-    block_size = cache.shape[1]
-    starts_t = torch.as_tensor(starts, dtype=torch.int64, device=cache.device)
-    ends_t = torch.as_tensor(ends, dtype=torch.int64, device=cache.device)
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    starts: Sequence[int],
+    ends: Sequence[int],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Keys and values at positions ``[starts[r], ends[r])`` of every request ``r``, padded to the longest, each
+    ``[R, L, num_kv_heads, head_dim]``, and which entries are real, ``[R, L]``. Padding reads each request's
+    first slot."""
+    block_size, device = k_cache.shape[1], k_cache.device
+    starts_t = torch.as_tensor(starts, dtype=torch.int64, device=device)
+    ends_t = torch.as_tensor(ends, dtype=torch.int64, device=device)
     width = int((ends_t - starts_t).max()) if len(starts_t) else 0
-    positions = starts_t[:, None] + torch.arange(width, device=cache.device)[None, :]
+    positions = starts_t[:, None] + torch.arange(width, device=device)[None, :]
     valid = positions < ends_t[:, None]
     positions = positions.where(valid, 0)
     blocks = block_tables[: len(starts_t)].long().gather(1, positions // block_size)
-    return cache.flatten(0, 1)[blocks * block_size + positions % block_size], valid
+    slots = blocks * block_size + positions % block_size
+    return k_cache.flatten(0, 1)[slots], v_cache.flatten(0, 1)[slots], valid
 
 
 def attention_with_lse(
@@ -121,9 +127,7 @@ def paged_decode_attention(
     Each row is ``attention_with_lse`` of that query over ``gather_kv`` of its
     context; the requests run as one padded, masked batch.
     """
-    starts = [0] * len(context_lens)
-    k, valid = gather_kv_rows(k_cache, block_tables, starts, context_lens)
-    v, _ = gather_kv_rows(v_cache, block_tables, starts, context_lens)
+    k, v, valid = gather_kv_rows(k_cache, v_cache, block_tables, [0] * len(context_lens), context_lens)
     return batched_attention_with_lse(q, k, v, valid, scale)[0].to(q.dtype)
 
 
@@ -176,6 +180,5 @@ def cascade_attention(
         members = torch.tensor(prefix.members, device=q.device)
         merged = merge_two_states((state[0][members], state[1][members]), attention_with_lse(q[members], k, v, scale))
         state[0][members], state[1][members] = merged
-    k, valid = gather_kv_rows(k_cache, block_tables, forest.suffix_starts, context_lens)
-    v, _ = gather_kv_rows(v_cache, block_tables, forest.suffix_starts, context_lens)
+    k, v, valid = gather_kv_rows(k_cache, v_cache, block_tables, forest.suffix_starts, context_lens)
     return merge_two_states(state, batched_attention_with_lse(q, k, v, valid, scale))[0].to(q.dtype)
