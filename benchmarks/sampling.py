@@ -169,6 +169,13 @@ def main() -> None:
     parser.add_argument("--sync-scheduling", action="store_true", help="the native engine without asynchronous "
                         "scheduling (each step's tokens read before the next step is launched)")  # fmt: skip
     args = parser.parse_args()
+    # The decode steps are timed as the whole run less the prefill's run, which makes the first token.
+    if args.new_tokens < 2:
+        parser.error(
+            f"--new-tokens: expected at least 2 (the first token comes from the prefill); got {args.new_tokens}"
+        )
+    if args.batch < 1 or args.prompt_len < 1:
+        parser.error(f"--batch and --prompt-len: expected at least 1; got {args.batch} and {args.prompt_len}")
     if args.vllm_cpu or not torch.cuda.is_available():
         import runpy
         import sys
