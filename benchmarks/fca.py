@@ -206,7 +206,7 @@ def kernel_case(
 
         def run(layer, device_plan=device_plan, workspace=workspace, out=out, wide=wide):
             kernel.paged_attention(q, *caches[layer], block_tables, positions, device_plan, workspace, scale, tiles,
-                                   wide=wide, out=out, decode=True)  # fmt: skip
+                                   wide=wide, out=out)  # fmt: skip
 
         runs[name] = (run, out)
         return run

@@ -43,7 +43,7 @@ def main() -> None:
     for i in range(4 + args.launches):  # the first 4 compile and warm up (ncu's --launch-skip 4)
         k_cache, v_cache = batch["caches"][i % len(batch["caches"])]
         kernel.paged_attention(batch["q"], k_cache, v_cache, batch["block_tables"], batch["positions"], device_plan,
-                               workspace, SCALE, tiles, out=out, decode=True)  # fmt: skip
+                               workspace, SCALE, tiles, out=out)  # fmt: skip
     torch.cuda.synchronize()
     build = next(iter(kernel.BUILDS.values()))
     print(f"{args.case} rows {args.rows}: items {len(plan.wide_items)}+{len(plan.narrow_items)}, "

@@ -62,13 +62,10 @@ def variants(quick: bool) -> list[tuple[TileShape, float]]:
         # twice the keys (wide tiles alone: 26.6 us at 4x16, 11.4 at 1x16 on an H100, slower too).
         (dataclasses.replace(default, block_n=128), 1.0),
         (rows128, 1.0),
-        # The wide tiles' loads one step ahead by hand, in registers (the default before the 27th session), and
         # Triton's pipeline below 5 stages, where it copies a step's keys only at the end of the step before.
-        (dataclasses.replace(default, wide_stages=0), 1.0),
         (dataclasses.replace(default, wide_stages=3), 1.0),
         (dataclasses.replace(default, block_n=32), 1.0),  # 3 programs per SM
         (dataclasses.replace(default, early_loads=False), 1.0),  # every load after the wait
-        (dataclasses.replace(default, narrow_prefetch=True), 1.0),
         (dataclasses.replace(default, stages=3), 1.0),  # deeper pipelining of the narrow (suffix) tiles
         # Fewer, longer units: at 4x16 the wide units fill about one wave of programs at 0.73 (chunks of 512)
         (default, 0.85),
@@ -105,7 +102,7 @@ def measure(batch: dict, tiles: TileShape, target: int) -> dict:
 
         def run(layer, device_plan=device_plan, workspace=workspace, out=out, wide=wide, merge=merge):
             kernel.paged_attention(q, *caches[layer], batch["block_tables"], batch["positions"], device_plan,
-                                   workspace, SCALE, tiles, wide=wide, merge=merge, out=out, decode=True)  # fmt: skip
+                                   workspace, SCALE, tiles, wide=wide, merge=merge, out=out)  # fmt: skip
 
         result[name] = graph_us(run)
         outs[name] = out
@@ -133,7 +130,7 @@ def plain_targets(requests: int, length: int, tiles: TileShape, engine_target: i
 
             def run(layer, device_plan=device_plan, workspace=workspace, out=out, merge=merge):
                 kernel.paged_attention(q, *caches[layer], batch["block_tables"], batch["positions"], device_plan,
-                                       workspace, SCALE, tiles, wide=False, merge=merge, out=out, decode=True)  # fmt: skip
+                                       workspace, SCALE, tiles, wide=False, merge=merge, out=out)  # fmt: skip
 
             times[merge] = graph_us(run)
         no_merge = f" (no merge launch {times[False]:5.1f})" if False in times else ""
@@ -194,7 +191,7 @@ def main() -> None:
                 cells.append(f"{label}: {type(e).__name__}: {str(e)[:120]}")
         print(f"rows {tiles.wide_rows:3d} w{tiles.wide_warps} bn {tiles.block_n:3d} st {tiles.stages} "
               f"cpr {tiles.chunk_per_row} reg {tiles.wide_maxnreg or 0:3d} pdl {tiles.pdl:d} "
-              f"early {tiles.early_loads:d} nprf {tiles.narrow_prefetch:d} wst {tiles.wide_stages} "
+              f"early {tiles.early_loads:d} wst {tiles.wide_stages} "
               f"i32 {tiles.int32_offsets:d} tgt {target:3d} "
               f"programs {sorted({b.programs for b in kernel.BUILDS.values()})} "
               f"regs/spills {sorted({(b.registers, b.spills) for b in kernel.BUILDS.values()})} "

@@ -3,12 +3,17 @@
     python scripts/kernel_registers.py                    # every variant's registers
     python scripts/kernel_registers.py --loop             # the default wide decode tile's step loop, by opcode
     python scripts/kernel_registers.py --loop --variant int64_offsets   # a variant's
+    TRITON_DISABLE_LINE_INFO=1 python scripts/kernel_registers.py --digest   # each build's PTX and cubin digests
 
 Each row is what ``paged_attention`` would launch for a bf16 Qwen2-0.5B layer
 (14 query heads, 2 KV heads, 64 dims, 16 positions per block), per thread as
 ``ptxas -v`` reports it. Spills are local-memory traffic in the inner loop;
 programs per SM is what the persistent grid is sized from. Timings still need
 the GPU (``benchmarks/fca_sweep.py``): this says why a variant may be faster.
+
+``--digest`` says whether a change to the kernel's source changes what the
+device runs: equal digests before and after (line info off, so moved lines
+do not count) mean the same machine code for every variant listed here.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ from __future__ import annotations
 import argparse
 import collections
 import dataclasses
+import hashlib
 
 import torch
 
@@ -30,8 +36,6 @@ VARIANTS = {
     "maxnreg=168": dict(wide_maxnreg=168),
     "maxnreg=128": dict(wide_maxnreg=128),
     "late_loads": dict(early_loads=False),
-    "narrow_prefetch": dict(narrow_prefetch=True),
-    "hand_prefetch": dict(wide_stages=0),
     "wide_stages=3": dict(wide_stages=3),
     "wide_stages=4": dict(wide_stages=4),
     "block_n=32": dict(block_n=32),
@@ -43,39 +47,53 @@ VARIANTS = {
 }
 
 
-def build(tiles: TileShape, wide: bool, decode: bool):
-    return compile_attention(tiles, 14, 2, 64, 16, torch.bfloat16, wide, decode)
+def build(tiles: TileShape, wide: bool):
+    return compile_attention(tiles, 14, 2, 64, 16, torch.bfloat16, wide)
 
 
 def print_step_loop(variant: str) -> None:
     """One iteration of the wide decode tile's step loop (the loop of the PV product's HGMMA), by opcode."""
-    compiled = build(dataclasses.replace(DEFAULT, **VARIANTS[variant]), wide=True, decode=True)
+    compiled = build(dataclasses.replace(DEFAULT, **VARIANTS[variant]), wide=True)
     for branches_taken, what in ((False, "the masked step's branches included"), (True, "a whole step")):
         opcodes = collections.Counter(loop_opcodes(compiled, "tnspB", branches_taken=branches_taken))
         print(f"step loop ({variant}): {sum(opcodes.values())} instructions, {what}")
         print("  " + " ".join(f"{name} {count}" for name, count in opcodes.most_common()))
 
 
+def print_digests() -> None:
+    """Every variant's wide and narrow build, by the first 12 hex digits of its PTX's and its cubin's SHA-256."""
+    for name, change in VARIANTS.items():
+        for wide in (True, False):
+            compiled = build(dataclasses.replace(DEFAULT, **change), wide)
+            ptx = hashlib.sha256(compiled.asm["ptx"].encode()).hexdigest()[:12]
+            cubin = hashlib.sha256(compiled.asm["cubin"]).hexdigest()[:12]
+            print(f"{name:<20} {'wide' if wide else 'narrow':<7} ptx {ptx} cubin {cubin}", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--loop", action="store_true", help="the wide tile's step loop, by opcode")
     parser.add_argument("--variant", choices=VARIANTS, default="default", help="whose step loop (with --loop)")
+    parser.add_argument("--digest", action="store_true", help="each build's PTX and cubin digests")
     args = parser.parse_args()
     if args.loop:
         print_step_loop(args.variant)
         return
-    print(f"{'variant':<20} {'tile':<7} {'mode':<8} {'warps':>5} {'regs':>5} {'spill st':>9} {'spill ld':>9} "
-          f"{'smem':>7} {'per SM':>6}")  # fmt: skip
+    if args.digest:
+        print_digests()
+        return
+    print(f"{'variant':<20} {'tile':<7} {'warps':>5} {'regs':>5} {'spill st':>9} {'spill ld':>9} {'smem':>7} "
+          f"{'per SM':>6}")  # fmt: skip
     for name, change in VARIANTS.items():
         tiles = dataclasses.replace(DEFAULT, **change)
-        for wide, decode in ((True, True), (False, True), (True, False)):
-            compiled = build(tiles, wide, decode)
+        for wide in (True, False):
+            compiled = build(tiles, wide)
             use = register_use(compiled)
             warps = tiles.wide_warps if wide else 4
             shared = compiled.metadata.shared
-            print(f"{name:<20} {'wide' if wide else 'narrow':<7} {'decode' if decode else 'prefill':<8} {warps:>5} "
-                  f"{use.registers:>5} {use.spill_stores:>9} {use.spill_loads:>9} {shared:>7} "
-                  f"{programs_per_sm(use.registers, warps, shared):>6}", flush=True)  # fmt: skip
+            print(f"{name:<20} {'wide' if wide else 'narrow':<7} {warps:>5} {use.registers:>5} {use.spill_stores:>9} "
+                  f"{use.spill_loads:>9} {shared:>7} {programs_per_sm(use.registers, warps, shared):>6}",
+                  flush=True)  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -34,34 +34,29 @@ def _forest_batch(prefix_blocks=40, groups=3, per_group=5, suffix_tokens=(33, 90
     return tables, lengths
 
 
-def _run(q, caches, tables, lengths, plan, positions, tiles, decode=True):
+def _run(q, caches, tables, lengths, plan, positions, tiles):
     from arctic_rl_core.zorro.attention import triton_attention as kernel
 
     width = max(map(len, tables))
     block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32, device="cuda")
     device_plan = kernel.DevicePlan.from_plan(plan, "cuda")
     workspace = kernel.Workspace.allocate(plan.num_partial_rows, q.shape[1], q.shape[2], "cuda")
-    out = kernel.paged_attention(
-        q, *caches, block_tables, positions, device_plan, workspace, q.shape[2] ** -0.5, tiles, decode=decode
-    )
+    out = kernel.paged_attention(q, *caches, block_tables, positions, device_plan, workspace, q.shape[2] ** -0.5, tiles)
     return out, block_tables
 
 
 # The defaults (64-row tiles of up to 9 requests, early loads, Triton's pipelining), 128-row tiles (a group of 16
-# requests in one), every load after the wait, 64-bit cache offsets (what caches of 2**31 values or more take), and
-# the wide tiles' loads ahead by hand (with the early loads of their first keys that path makes).
+# requests in one), every load after the wait, and 64-bit cache offsets (what caches of 2**31 values or more take).
 TILES = [
     TileShape(GROUP),
     TileShape(GROUP, **ROWS_128),
     TileShape(GROUP, early_loads=False),
     TileShape(GROUP, int32_offsets=False),
-    TileShape(GROUP, wide_stages=0),
 ]
 
 
 def _tiles_id(tiles: TileShape) -> str:
-    return (f"{tiles.wide_rows}rows{'-early' if tiles.early_loads else ''}{'' if tiles.int32_offsets else '-int64'}"
-            f"{'-hand' if tiles.wide_stages == 0 else ''}")  # fmt: skip
+    return f"{tiles.wide_rows}rows{'-early' if tiles.early_loads else ''}{'' if tiles.int32_offsets else '-int64'}"
 
 
 @pytest.mark.parametrize("tiles", TILES, ids=_tiles_id)
@@ -130,9 +125,7 @@ def test_prefill_kernel_equals_reference(tiles):
     q = torch.randn(sum(query_lens), HKV * GROUP, D, device="cuda").to(torch.bfloat16)
     positions = [p for n, length in zip(query_lens, lengths) for p in range(length - n, length)]
     positions = torch.tensor(positions, dtype=torch.int32, device="cuda")
-    out, block_tables = _run(
-        q, caches, tables, lengths, plan_prefill(query_lens, lengths, tiles), positions, tiles, decode=False
-    )
+    out, block_tables = _run(q, caches, tables, lengths, plan_prefill(query_lens, lengths, tiles), positions, tiles)
     expected = paged_prefill_attention(q.float(), caches[0].float(), caches[1].float(), block_tables, query_lens,
                                        lengths, D**-0.5)  # fmt: skip
     torch.testing.assert_close(out.float(), expected, atol=2e-2, rtol=2e-2)
@@ -160,7 +153,7 @@ def test_decode_and_prefill_at_other_models_attention_equal_reference(heads, kv_
     positions = [p for n, length in zip(query_lens, lengths) for p in range(length - n, length)]
     positions = torch.tensor(positions, dtype=torch.int32, device="cuda")
     plan = plan_prefill(query_lens, lengths, tiles)
-    out, block_tables = _run(q, caches, tables, lengths, plan, positions, tiles, decode=False)
+    out, block_tables = _run(q, caches, tables, lengths, plan, positions, tiles)
     expected = paged_prefill_attention(q.float(), k_ref, v_ref, block_tables, query_lens, lengths, dim**-0.5)
     torch.testing.assert_close(out.float(), expected, atol=2e-2, rtol=2e-2)
 
@@ -194,9 +187,7 @@ def test_graph_replay_follows_the_plan_written_into_static_buffers():
     out = torch.empty_like(q)
 
     def run():
-        kernel.paged_attention(
-            q, *caches, block_tables, positions, static, workspace, D**-0.5, tiles, out=out, decode=True
-        )
+        kernel.paged_attention(q, *caches, block_tables, positions, static, workspace, D**-0.5, tiles, out=out)
 
     run()
     graph = torch.cuda.CUDAGraph()

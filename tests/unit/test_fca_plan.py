@@ -241,3 +241,16 @@ def test_decode_plans_fit_the_engines_buffers_and_read_every_position_once(seed)
     assert plan.num_items <= max_items and plan.num_partial_rows <= max_rows
     for q, reads in enumerate(_coverage(plan, lengths, tables)):
         assert reads == [(tables[q][pos // BS], pos) for pos in range(lengths[q])]
+
+
+@pytest.mark.parametrize(
+    "fields, message",
+    [
+        (dict(group=0), r"query heads per KV head must be in \[1, 16\], got 0"),
+        (dict(group=7, wide_stages=0), r"stages and wide_stages: expected pipeline depths of at least 1, got 2 and 0"),
+        (dict(group=7, stages=0), r"stages and wide_stages: .* got 0 and 5"),
+    ],
+)
+def test_tile_shapes_refuse_what_the_kernel_cannot_build_naming_the_field(fields, message):
+    with pytest.raises(ValueError, match=message):
+        TileShape(**fields)

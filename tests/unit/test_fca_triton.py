@@ -35,12 +35,12 @@ def _setup(tables, group, seed=0):
     return k_cache, v_cache, block_tables, g
 
 
-def _run(kernel, plan, q, k_cache, v_cache, block_tables, positions, tiles, decode=True):
+def _run(kernel, plan, q, k_cache, v_cache, block_tables, positions, tiles):
     device_plan = kernel.DevicePlan.from_plan(plan, "cpu")
     workspace = kernel.Workspace.allocate(plan.num_partial_rows, q.shape[1], q.shape[2], "cpu")
     out = torch.full_like(q, float("nan"))  # every row must be written
     return kernel.paged_attention(q, k_cache, v_cache, block_tables, positions, device_plan, workspace,
-                                  q.shape[2] ** -0.5, tiles, out=out, decode=decode)  # fmt: skip
+                                  q.shape[2] ** -0.5, tiles, out=out)  # fmt: skip
 
 
 THREE_LEVELS = (
@@ -144,7 +144,7 @@ def check_prefill_kernel_is_causal_after_a_cached_prefix(long_prefix=False, **ti
     kernel = _kernel()
     tables = [[3, 4, 5, 6, 7, 8], [9, 10], [11]]
     query_lens, lengths = [19, 7, 1], [23, 7, 3]  # request 0 has 4 cached positions, request 2 has 2
-    if long_prefix:  # request 0's tile spans positions 51-69: two masked 64-key steps, the second reloaded
+    if long_prefix:  # request 0's tile spans positions 51-69: two masked 64-key steps
         tables[0] = list(range(20, 38))
         lengths[0] = 70
     k_cache, v_cache, block_tables, g = _setup(tables, 3)
@@ -154,7 +154,7 @@ def check_prefill_kernel_is_causal_after_a_cached_prefix(long_prefix=False, **ti
     )
     tiles = TileShape(3, **{"early_loads": False, **tile_options})
     plan = plan_prefill(query_lens, lengths, tiles)
-    out = _run(kernel, plan, q, k_cache, v_cache, block_tables, positions, tiles, decode=False)
+    out = _run(kernel, plan, q, k_cache, v_cache, block_tables, positions, tiles)
     expected = paged_prefill_attention(q, k_cache, v_cache, block_tables, query_lens, lengths, SCALE)
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
 
@@ -269,8 +269,7 @@ CHECKS = {
     **{f"decode_blocks_of_{n}": (check_decode_with_blocks_that_do_not_divide_a_step, (n,)) for n in (12, 128)},
     # 128-position steps over 128-position blocks: the step divides by the block, but chunks start at 64s.
     "decode_blocks_of_128[block_n=128]": (check_decode_with_blocks_that_do_not_divide_a_step, (128, 128)),
-    # A program's first unit reads its plan and older keys before it would wait for the kernel before; a
-    # prefill tile reloads its first step after the wait (every new token's key was just written).
+    # A program's first unit reads its plan and positions before it would wait for the kernel before.
     "cascade_decode[early_loads]": (
         partial(check_cascade_decode_kernel_equals_plain_attention, early_loads=True),
         (3, 64),
@@ -279,32 +278,10 @@ CHECKS = {
         partial(check_prefill_kernel_is_causal_after_a_cached_prefix, early_loads=True),
         (),
     ),
-    # Narrow tiles' loads run ahead by hand, over suffix ranges that end past their queries.
-    "cascade_decode[narrow_prefetch]": (
-        partial(check_cascade_decode_kernel_equals_plain_attention, narrow_prefetch=True),
-        (3, 64),
-    ),
-    # Wide tiles' loads one step ahead by hand (wide_stages=0), with and without the early loads that path
-    # makes before the wait (a prefill tile's first step reloaded after it), and in Triton's shallower pipeline.
-    "cascade_decode[hand_prefetch]": (
-        partial(check_cascade_decode_kernel_equals_plain_attention, wide_stages=0),
-        (3, 64),
-    ),
-    "cascade_decode[early_loads,hand_prefetch]": (
-        partial(check_cascade_decode_kernel_equals_plain_attention, early_loads=True, wide_stages=0),
-        (3, 64),
-    ),
-    "prefill_causal[long_prefix,early_loads,hand_prefetch]": (
-        partial(check_prefill_kernel_is_causal_after_a_cached_prefix, early_loads=True, wide_stages=0),
-        (True,),
-    ),
+    # Wide tiles in Triton's shallower pipeline (below 5 stages a step's keys are copied one step ahead).
     "cascade_decode[wide_stages=3]": (
         partial(check_cascade_decode_kernel_equals_plain_attention, wide_stages=3),
         (3, 64),
-    ),
-    "decode_plan_reused[narrow_prefetch]": (
-        partial(check_a_decode_plan_serves_later_steps_up_to_its_capacity, narrow_prefetch=True),
-        (64,),
     ),
     "stale_cache": (check_stale_cache_values_never_reach_the_output, ()),
     # 64-bit cache offsets (int32_offsets=False: what caches of 2**31 values or more take).
@@ -330,7 +307,6 @@ test_kernel_under_the_interpreter = check_test(__file__, CHECKS)
     [
         ("scale", "scale must be positive"),
         ("strides", "one layout for both caches"),
-        ("odd_offset", "4-byte boundary"),
         ("head_dim", "power of two of at least 16, got 24"),
     ],
 )
@@ -341,9 +317,6 @@ def test_paged_attention_names_what_it_needs_of_its_inputs(case, message):
     k_cache, v_cache = k_cache.half(), v_cache.half()
     if case == "strides":
         v_cache = v_cache.transpose(0, 1).contiguous().transpose(0, 1)  # same shape, blocks not outermost
-    if case == "odd_offset":  # a view one value into a larger cache: its 32-bit words would straddle values
-        k_cache = torch.zeros(48, BS, HKV, D + 2, dtype=torch.half)[..., 1:-1]  # even strides, odd start
-        v_cache = torch.zeros(48, BS, HKV, D + 2, dtype=torch.half)[..., 1:-1]
     if case == "head_dim":  # 24 dims: no tile spans them
         k_cache = torch.zeros(48, BS, HKV, 24, dtype=torch.half)
         v_cache = torch.zeros(48, BS, HKV, 24, dtype=torch.half)
@@ -365,7 +338,7 @@ def test_32_bit_offsets_only_where_they_reach_every_cache_value():
     # A view of 2**30 values whose last is 2**32 - 2**17 + 2**15 - 1 values after its first.
     assert not kernel.fits_int32_offsets(torch.empty(2**15, 4, 16, 16, 128, device="meta")[:, 0])
     tiles = TileShape(7, int32_offsets=True)
-    options = [kernel.kernel_options(tiles, 14, 2, 64, 16, torch.bfloat16, True, True, True, fits)["INT32_OFFSETS"]
+    options = [kernel.kernel_options(tiles, 14, 2, 64, 16, torch.bfloat16, True, True, fits)["INT32_OFFSETS"]
                for fits in (True, False)]  # fmt: skip
     assert options == [True, False]
 

@@ -25,13 +25,9 @@ VARIANTS = {
     "default": DEFAULT,
     "late_loads": dataclasses.replace(DEFAULT, early_loads=False),
     "rows128": dataclasses.replace(DEFAULT, **ROWS_128),
-    "narrow_prefetch": dataclasses.replace(DEFAULT, narrow_prefetch=True),
-    "hand_prefetch": dataclasses.replace(DEFAULT, wide_stages=0),
-    "late_loads_hand_prefetch": dataclasses.replace(DEFAULT, early_loads=False, wide_stages=0),
     "wide_stages=3": dataclasses.replace(DEFAULT, wide_stages=3),
     "int64_offsets": dataclasses.replace(DEFAULT, int32_offsets=False),
 }
-HAND_PREFETCH = VARIANTS["hand_prefetch"]
 
 
 def _pointers(types: dict[str, str]) -> list[str]:
@@ -40,15 +36,14 @@ def _pointers(types: dict[str, str]) -> list[str]:
     return [name for name, kind in types.items() if kind.startswith("*")]
 
 
-def _compile_attention(tiles: TileShape, wide: bool, decode: bool):
+def _compile_attention(tiles: TileShape, wide: bool):
     """What ``paged_attention`` launches for a bf16 Qwen2-0.5B layer (14 heads, 2 KV heads, 64 dims, 16 per block)."""
-    return kernel.compile_attention(tiles, 14, 2, 64, 16, torch.bfloat16, wide, decode)
+    return kernel.compile_attention(tiles, 14, 2, 64, 16, torch.bfloat16, wide)
 
 
 @pytest.mark.parametrize("name", VARIANTS)
-@pytest.mark.parametrize("decode", [True, False], ids=["decode", "prefill"])
-def test_attention_kernel_compiles_for_hopper(name, decode):
-    compiled = _compile_attention(VARIANTS[name], wide=True, decode=decode)
+def test_attention_kernel_compiles_for_hopper(name):
+    compiled = _compile_attention(VARIANTS[name], wide=True)
     assert len(compiled.asm["cubin"]) > 0
     # Launched as a programmatic dependent: it must wait for the kernel that wrote its queries.
     assert "griddepcontrol.wait" in compiled.asm["ptx"]
@@ -56,14 +51,14 @@ def test_attention_kernel_compiles_for_hopper(name, decode):
 
 
 def test_plain_decode_kernel_compiles_for_hopper():
-    compiled = _compile_attention(DEFAULT, wide=False, decode=True)
+    compiled = _compile_attention(DEFAULT, wide=False)
     assert len(compiled.asm["cubin"]) > 0
 
 
 def test_register_use_reads_ptxas_and_respects_the_cap():
     rows128 = VARIANTS["rows128"]
-    capped = register_use(_compile_attention(rows128, wide=True, decode=True))
-    uncapped = register_use(_compile_attention(dataclasses.replace(rows128, wide_maxnreg=None), wide=True, decode=True))
+    capped = register_use(_compile_attention(rows128, wide=True))
+    uncapped = register_use(_compile_attention(dataclasses.replace(rows128, wide_maxnreg=None), wide=True))
     assert 0 < capped.registers <= rows128.wide_maxnreg < uncapped.registers <= 255
     # The cap is what lets two 8-warp programs share a multiprocessor; without it only one fits.
     assert kernel.programs_per_sm(capped.registers, 8, 0) == 2
@@ -73,7 +68,7 @@ def test_register_use_reads_ptxas_and_respects_the_cap():
 def _steps_issued_before_the_wide_loop(tiles: TileShape) -> float:
     """How many steps' keys and values Triton's pipeline copies before the wide tiles' step loop starts (their copies
     into shared memory, up to the first loop that carries values: the wide tiles' steps)."""
-    ttgir = _compile_attention(tiles, wide=True, decode=True).asm["ttgir"]
+    ttgir = _compile_attention(tiles, wide=True).asm["ttgir"]
     before_loop = ttgir[: re.search(r"scf\.for .* iter_args", ttgir).start()]
     return len(re.findall(rf"async_copy_global_to_local .* -> <{tiles.block_n}x64xbf16", before_loop)) / 2
 
@@ -86,32 +81,17 @@ def test_wide_step_loop_keeps_two_steps_of_keys_in_flight():
     assert _steps_issued_before_the_wide_loop(DEFAULT) == 2
 
 
-def test_wide_step_loop_stores_keys_and_values_straight_from_their_loads():
-    """Hand prefetched (``wide_stages=0``), the 16-bit keys and values cross the step loop as 32-bit words, so
-    nothing re-packs them for shared memory.
-
-    Carried as 16-bit values, each 32-bit pair was re-packed before its store
-    (20 PRMT and ~30 more register moves per step on this Triton).
-    """
-    opcodes = collections.Counter(loop_opcodes(_compile_attention(HAND_PREFETCH, wide=True, decode=True), "tnspB"))
-    assert opcodes["HGMMA"] == 8  # one 64-key step: QK and PV, four k-slices each
-    assert opcodes["STS"] == 8  # its keys and values, one 16-byte store per thread each time
-    assert opcodes["PRMT"] == 0
-    assert sum(opcodes.values()) < 520  # 549 with the 16-bit values, 500 with words (Triton 3.9)
-
-
 def test_32_bit_offsets_take_fewer_instructions_per_step():
-    """A whole wide step (no mask to apply) with 32-bit cache offsets, against 64-bit ones: 325 vs 351 instructions
-    with the device's Triton 3.6, 345 vs 371 with 3.9; the same products and stores."""
+    """A whole wide step (no mask to apply) with 32-bit cache offsets, against 64-bit ones: 346 vs 379 instructions
+    with the device's Triton 3.6, 365 vs 398 with 3.9; the same products and asynchronous copies."""
 
     def whole_step(tiles):
-        return collections.Counter(
-            loop_opcodes(_compile_attention(tiles, wide=True, decode=True), "tnspB", branches_taken=True)
-        )
+        return collections.Counter(loop_opcodes(_compile_attention(tiles, wide=True), "tnspB", branches_taken=True))
 
-    int32 = whole_step(HAND_PREFETCH)
-    int64 = whole_step(dataclasses.replace(HAND_PREFETCH, int32_offsets=False))
-    assert int32["HGMMA"] == int64["HGMMA"] == 8 and int32["STS"] == int64["STS"] == 8
+    int32 = whole_step(DEFAULT)
+    int64 = whole_step(dataclasses.replace(DEFAULT, int32_offsets=False))
+    assert int32["HGMMA"] == int64["HGMMA"] == 8  # one 64-key step: QK and PV, four k-slices each
+    assert int32["LDGSTS"] == int64["LDGSTS"] > 0
     assert sum(int32.values()) <= sum(int64.values()) - 20
 
 

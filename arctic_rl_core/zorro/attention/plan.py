@@ -62,11 +62,8 @@ class TileShape:
     ones at 168); ``pdl`` lets the merge launch start
     while the attention kernel drains (programmatic dependent launch);
     ``early_loads`` lets the attention kernel read its plan and positions
-    (and, with the wide tiles' hand prefetch, their older keys) before it
-    waits for the kernel that wrote its queries;
-    ``narrow_prefetch`` runs the narrow tiles' loads ahead by hand;
-    ``wide_stages`` (> 0) gives the wide tiles Triton's pipelining with that
-    many stages, 0 runs their loads one step ahead by hand, in registers;
+    before it waits for the kernel that wrote its queries;
+    ``wide_stages`` is Triton's software pipelining of the wide tiles' loads;
     ``int32_offsets`` computes cache offsets in 32 bits where the cache
     allows (else in 64).
     """
@@ -87,22 +84,24 @@ class TileShape:
     pdl: bool = True
     # 0.7-0.8 us faster in both fca_sweep cases on an H100 (2026-12-05).
     early_loads: bool = True
-    # Off: no gain measured on an H100 (``benchmarks/fca_sweep.py`` runs each against the default).
-    narrow_prefetch: bool = False
     # Each step's keys and values sit behind a load of its block ids, which takes a stage of Triton's pipeline: at 3
     # or 4 stages it copies a step's keys at the end of the step before, at 5 two steps ahead. On an H100 (27th
-    # session, same call) 5 took the wide tiles' launch from 17.1-17.6 to 16.6-16.8 us at 4x16 (from the hand
-    # prefetch, wide_stages=0, the default before; 4 stages: 20.0, 6 and 7 no better than 5). With the merge's
-    # carveout matched (triton_attention.SHARED_CARVEOUT) FCA went from 19.0-19.3 to 18.5-18.7 us (1x16: 9.0-9.2 to
-    # 8.7-8.8).
+    # session, same call) 5 took the wide tiles' launch from 17.1-17.6 to 16.6-16.8 us at 4x16 (from loads one step
+    # ahead by hand in registers, the default before and since removed; 4 stages: 20.0, 6 and 7 no better than 5).
+    # With the merge's carveout matched (triton_attention.SHARED_CARVEOUT) FCA went from 19.0-19.3 to 18.5-18.7 us
+    # (1x16: 9.0-9.2 to 8.7-8.8).
     wide_stages: int = 5
     # On an H100 (13th session, same call): our plain paged kernel 2-3% faster (60.1 -> 58.3 us at 4x16), FCA the
-    # same or 0.1-0.3 us faster. A whole wide step: 351 -> 325 instructions (Triton 3.6), the narrow one 255 -> 223.
+    # same or 0.1-0.3 us faster. A whole wide step: 379 -> 346 instructions (Triton 3.6; test_triton_kernels_compile),
+    # the narrow one 255 -> 223.
     int32_offsets: bool = True
 
     def __post_init__(self):
         if self.group < 1 or self.group > self.narrow_rows:
             raise ValueError(f"query heads per KV head must be in [1, {self.narrow_rows}], got {self.group}")
+        if self.stages < 1 or self.wide_stages < 1:
+            raise ValueError(f"stages and wide_stages: expected pipeline depths of at least 1, got {self.stages} and "
+                             f"{self.wide_stages}")  # fmt: skip
 
     @property
     def wide_queries(self) -> int:

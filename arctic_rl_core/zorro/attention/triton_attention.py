@@ -43,9 +43,8 @@ MERGE_WARPS = 2
 # with different splits do not share a multiprocessor. Triton asks for the largest shared part for kernels that use
 # over 48 KiB (the attention kernel with pipelined wide tiles) and leaves the others' to the driver, so the merge's
 # programs, launched early as dependents, could not start beside the attention kernel's last ones: on an H100 the
-# merge added 1.5-1.8 us after the attention launch at 1x16 instead of 0.6-0.8 (27th session, same call; with
-# the hand prefetched wide tiles, 24 KiB, asking for it cost 0.7-1.0 us at 4x16). Both kernels ask for the same
-# split here.
+# merge added 1.5-1.8 us after the attention launch at 1x16 instead of 0.6-0.8 (27th session, same call). Both
+# kernels ask for the same split here.
 SHARED_CARVEOUT: int | None = 100  # percent of the array as shared memory; None: Triton's and the driver's choice
 _CARVEOUT_KERNELS = frozenset({"_attend_items", "_merge_partials"})
 _CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT = 9
@@ -129,32 +128,6 @@ def _load_kv(
 
 
 @triton.jit
-def _as_words(CACHE):
-    """A 16-bit cache as 32-bit words, two values each (``_values`` splits them); others as they are.
-
-    The wide tiles carry the next step's keys and values across the step loop
-    in registers. Carried as 16-bit values, each one costs a register copy
-    to pack it for the store to shared memory (48 copies per 64-key step on
-    Hopper, 12% of the step's instructions); carried as words, none.
-    """
-    if CACHE.dtype.element_ty.primitive_bitwidth == 16:
-        return CACHE.to(tl.pointer_type(tl.int32), bitcast=True)
-    else:
-        return CACHE
-
-
-@triton.jit
-def _values(words, DTYPE: tl.constexpr):
-    """``[N, W]`` words read through ``_as_words`` as ``[N, 2W]`` values of ``DTYPE`` (low half first)."""
-    if DTYPE.primitive_bitwidth == 16:
-        low = (words & 0xFFFF).to(tl.uint16).to(DTYPE, bitcast=True)
-        high = (words >> 16).to(tl.uint16).to(DTYPE, bitcast=True)
-        return tl.reshape(tl.join(low, high), [words.shape[0], 2 * words.shape[1]])
-    else:
-        return words
-
-
-@triton.jit
 def _maximum(a, b):
     return tl.maximum(a, b)
 
@@ -209,29 +182,22 @@ def _attend_item(
     Q, K_CACHE, V_CACHE, OUT, PART_O, PART_LSE, BLOCK_TABLES, item, kv_head, QUERY_INDEX, QUERY_POS,
     scale_log2, stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_ot, stride_oh, stride_bt,
     NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, PREFETCH: tl.constexpr,
-    LOOP_STAGES: tl.constexpr, first, WAIT: tl.constexpr, DECODE: tl.constexpr, MAY_OVERRUN: tl.constexpr,
-    INT32_OFFSETS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, LOOP_STAGES: tl.constexpr, first,
+    WAIT: tl.constexpr, MAY_OVERRUN: tl.constexpr, INT32_OFFSETS: tl.constexpr,
 ):  # fmt: skip
     """One work unit: a tile of queries (``BLOCK_M // GROUP`` of them, all heads of one KV head) over a KV range.
 
-    Loads run ahead of the arithmetic, so that each step's memory latency
-    hides behind the steps before. Either Triton pipelines the step loop
-    (``LOOP_STAGES``): a step's keys and values wait for its block ids, so
-    they go ahead two stages per step, and from 5 stages on the keys and
-    values of two steps are in flight in shared memory. Or, with
-    ``PREFETCH``, by hand in registers: block ids two steps ahead, keys and
-    values one. The tile shape's ``wide_stages`` picks for the wide tiles
-    (Triton's by default), and ``narrow_prefetch`` for the narrow ones
-    (Triton's by default, at ``stages``).
+    Triton pipelines the step loop (``LOOP_STAGES``) so that each step's
+    memory latency hides behind the steps before. A step's keys and values
+    wait for its block ids, so they go ahead two stages per step: from 5
+    stages on the keys and values of two steps are in flight in shared
+    memory (the wide tiles' default; ``TileShape.wide_stages``).
 
     A program's ``first`` unit (with early loads) waits here for the kernel
     before it (programmatic dependent launch, ``WAIT``), after the loads that
-    kernel cannot be writing: the plan, the block table, the query positions
-    and, with ``PREFETCH`` in ``DECODE``, the keys and values before the
-    earliest query (that kernel wrote only the queries and their own keys
-    and values). So the chain of dependent loads that starts the unit
-    overlaps its tail.
+    kernel cannot be writing: the plan, the block table and the query
+    positions. So the chain of dependent loads that starts the unit overlaps
+    its tail.
     """
     rows = tl.arange(0, BLOCK_M)
     dims = tl.arange(0, HEAD_DIM)
@@ -250,36 +216,9 @@ def _attend_item(
         # A decode suffix's last item may end past its query (the plan keeps room for later steps), where
         # the cache holds anything: cut the range there before any key is loaded.
         kv_end = tl.minimum(kv_end, queries_end)
-    if PREFETCH:
-        # Keys and values in 32-bit words (_as_words): strides and the row width in words.
-        K_WORDS = _as_words(K_CACHE)
-        V_WORDS = _as_words(V_CACHE)
-        PACK: tl.constexpr = K_WORDS.dtype.element_ty.primitive_bitwidth // K_CACHE.dtype.element_ty.primitive_bitwidth
-        WORDS: tl.constexpr = HEAD_DIM // PACK
-        word_kb = stride_kb // PACK
-        word_ks = stride_ks // PACK
-        word_kh = stride_kh // PACK
-        # The first step's K and V are requested before the queries, whose loads take as long.
-        blocks = _block_ids(table, kv_start, kv_end, BLOCK_SIZE, BLOCK_N)
-        written_end = kv_end  # where the keys known to be written (loaded before the wait) end
-        if first:
-            if DECODE:
-                # The kernel before us wrote each query's own key, at its position: the keys before the
-                # item's earliest query are older.
-                written_end = tl.minimum(kv_end, tl.min(tl.where(row_valid, position, kv_end), axis=0))
-            else:
-                written_end = kv_start  # prefill: it wrote the keys of every new token, in other tiles too
-        k, v = _load_kv(K_WORDS, V_WORDS, blocks, kv_start, written_end, kv_head, word_kb, word_ks, word_kh, WORDS,
-                        BLOCK_SIZE, BLOCK_N, INT32_OFFSETS)  # fmt: skip
-        blocks = _block_ids(table, kv_start + BLOCK_N, kv_end, BLOCK_SIZE, BLOCK_N)
     if WAIT:
         if first:
             gdc_wait()
-    if PREFETCH:
-        if written_end < tl.minimum(kv_end, kv_start + BLOCK_N):  # the first step holds keys written just before
-            k, v = _load_kv(K_WORDS, V_WORDS, _block_ids(table, kv_start, kv_end, BLOCK_SIZE, BLOCK_N), kv_start,
-                            kv_end, kv_head, word_kb, word_ks, word_kh, WORDS, BLOCK_SIZE, BLOCK_N,
-                            INT32_OFFSETS)  # fmt: skip
 
     head = kv_head * GROUP + rows % GROUP
     q = tl.load(Q + token[:, None] * stride_qt + head[:, None] * stride_qh + dims[None, :], mask=row_valid[:, None],
@@ -297,31 +236,13 @@ def _attend_item(
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
-    if PREFETCH:
-        for kv0 in tl.range(kv_start, kv_end, BLOCK_N, num_stages=1):
-            # The next step's keys are loaded after this step's scores, its values after the weighted sum: by
-            # then the registers they fill are free (fewer register copies than loading both first).
-            # Both unpacked here, at the step's start, so that both go to shared memory before its first barrier.
-            k_step = _values(k, K_CACHE.dtype.element_ty)
-            v_step = _values(v, V_CACHE.dtype.element_ty)
-            scores = tl.dot(q, tl.trans(k_step), input_precision=PRECISION)
-            offsets, valid = _kv_offsets(blocks, kv0 + BLOCK_N, kv_end, kv_head, word_kb, word_ks, word_kh, WORDS,
-                                         BLOCK_SIZE, BLOCK_N, INT32_OFFSETS)  # fmt: skip
-            # Masked every step, though only the last needs it: unmasked (302 instructions per step instead of 325),
-            # the wide tiles were 0.6-1.1 us slower at 4x16 on an H100 in every form tried (13th session, same call).
-            k = tl.load(K_WORDS + offsets, mask=valid, other=0)
-            acc, l_i, m_i = _softmax_step(scores, v_step, acc, l_i, m_i, kv0, kv_end, position, scale_log2, BLOCK_N,
-                                          PRECISION, masked=kv0 >= full_end)  # fmt: skip
-            v = tl.load(V_WORDS + offsets, mask=valid, other=0)
-            blocks = _block_ids(table, kv0 + 2 * BLOCK_N, kv_end, BLOCK_SIZE, BLOCK_N)
-    else:
-        for kv0 in tl.range(kv_start, kv_end, BLOCK_N, num_stages=LOOP_STAGES):
-            k, v = _load_kv(K_CACHE, V_CACHE, _block_ids(table, kv0, kv_end, BLOCK_SIZE, BLOCK_N), kv0, kv_end,
-                            kv_head, stride_kb, stride_ks, stride_kh, HEAD_DIM, BLOCK_SIZE, BLOCK_N,
-                            INT32_OFFSETS)  # fmt: skip
-            scores = tl.dot(q, tl.trans(k), input_precision=PRECISION)
-            acc, l_i, m_i = _softmax_step(scores, v, acc, l_i, m_i, kv0, kv_end, position, scale_log2, BLOCK_N,
-                                          PRECISION, masked=kv0 >= full_end)  # fmt: skip
+    for kv0 in tl.range(kv_start, kv_end, BLOCK_N, num_stages=LOOP_STAGES):
+        k, v = _load_kv(K_CACHE, V_CACHE, _block_ids(table, kv0, kv_end, BLOCK_SIZE, BLOCK_N), kv0, kv_end,
+                        kv_head, stride_kb, stride_ks, stride_kh, HEAD_DIM, BLOCK_SIZE, BLOCK_N,
+                        INT32_OFFSETS)  # fmt: skip
+        scores = tl.dot(q, tl.trans(k), input_precision=PRECISION)
+        acc, l_i, m_i = _softmax_step(scores, v, acc, l_i, m_i, kv0, kv_end, position, scale_log2, BLOCK_N,
+                                      PRECISION, masked=kv0 >= full_end)  # fmt: skip
 
     seen = l_i > 0.0
     out = acc / tl.where(seen, l_i, 1.0)[:, None]
@@ -343,8 +264,7 @@ def _attend_items(
     NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, WIDE_M: tl.constexpr, NARROW_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_WIDE: tl.constexpr, PRECISION: tl.constexpr, USE_PDL: tl.constexpr, EARLY: tl.constexpr,
-    DECODE: tl.constexpr, NARROW_PREFETCH: tl.constexpr, NARROW_STAGES: tl.constexpr, WIDE_STAGES: tl.constexpr,
-    INT32_OFFSETS: tl.constexpr,
+    NARROW_STAGES: tl.constexpr, WIDE_STAGES: tl.constexpr, INT32_OFFSETS: tl.constexpr,
 ):  # fmt: skip
     """Persistent over (item, KV head) work units: the wide items first (the longest), then the narrow ones.
 
@@ -370,9 +290,8 @@ def _attend_items(
                     Q, K_CACHE, V_CACHE, OUT, PART_O, PART_LSE, BLOCK_TABLES,
                     WIDE_ITEMS + (work // NUM_KV_HEADS) * 6, work % NUM_KV_HEADS, QUERY_INDEX, QUERY_POS,
                     scale_log2, stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_ot, stride_oh, stride_bt,
-                    NUM_HEADS, GROUP, HEAD_DIM, BLOCK_SIZE, WIDE_M, BLOCK_N, PRECISION, PREFETCH=WIDE_STAGES == 0,
-                    LOOP_STAGES=WIDE_STAGES,
-                    first=first, WAIT=USE_PDL, DECODE=DECODE, MAY_OVERRUN=False, INT32_OFFSETS=INT32_OFFSETS,
+                    NUM_HEADS, GROUP, HEAD_DIM, BLOCK_SIZE, WIDE_M, BLOCK_N, PRECISION, LOOP_STAGES=WIDE_STAGES,
+                    first=first, WAIT=USE_PDL, MAY_OVERRUN=False, INT32_OFFSETS=INT32_OFFSETS,
                 )  # fmt: skip
         else:
             unit = work - num_wide
@@ -380,9 +299,8 @@ def _attend_items(
                 Q, K_CACHE, V_CACHE, OUT, PART_O, PART_LSE, BLOCK_TABLES,
                 NARROW_ITEMS + (unit // NUM_KV_HEADS) * 6, unit % NUM_KV_HEADS, QUERY_INDEX, QUERY_POS,
                 scale_log2, stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_ot, stride_oh, stride_bt,
-                NUM_HEADS, GROUP, HEAD_DIM, BLOCK_SIZE, NARROW_M, BLOCK_N, PRECISION, PREFETCH=NARROW_PREFETCH,
-                LOOP_STAGES=NARROW_STAGES,
-                first=first, WAIT=USE_PDL, DECODE=DECODE, MAY_OVERRUN=True, INT32_OFFSETS=INT32_OFFSETS,
+                NUM_HEADS, GROUP, HEAD_DIM, BLOCK_SIZE, NARROW_M, BLOCK_N, PRECISION, LOOP_STAGES=NARROW_STAGES,
+                first=first, WAIT=USE_PDL, MAY_OVERRUN=True, INT32_OFFSETS=INT32_OFFSETS,
             )  # fmt: skip
     if USE_PDL:
         if EARLY:
@@ -534,7 +452,7 @@ def _resident_programs(args, options: dict, device) -> int:
 
 def kernel_options(
     tiles: TileShape, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype,
-    wide: bool, decode: bool, use_pdl: bool, cache_fits_int32: bool = True,
+    wide: bool, use_pdl: bool, cache_fits_int32: bool = True,
 ) -> dict:  # fmt: skip
     """``_attend_items``'s compile-time constants and launch options for one model's attention.
 
@@ -545,8 +463,8 @@ def kernel_options(
         NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, GROUP=tiles.group, HEAD_DIM=head_dim,
         BLOCK_SIZE=block_size, WIDE_M=tiles.wide_rows, NARROW_M=tiles.narrow_rows, BLOCK_N=tiles.block_n,
         HAS_WIDE=wide, PRECISION="ieee" if dtype == torch.float32 else "tf32", USE_PDL=use_pdl,
-        EARLY=tiles.early_loads, DECODE=decode, NARROW_PREFETCH=tiles.narrow_prefetch, NARROW_STAGES=tiles.stages,
-        WIDE_STAGES=tiles.wide_stages, INT32_OFFSETS=tiles.int32_offsets and cache_fits_int32,
+        EARLY=tiles.early_loads, NARROW_STAGES=tiles.stages, WIDE_STAGES=tiles.wide_stages,
+        INT32_OFFSETS=tiles.int32_offsets and cache_fits_int32,
         num_warps=tiles.wide_warps if wide else 4, num_stages=tiles.stages,
     )  # fmt: skip
     if wide and tiles.wide_maxnreg:
@@ -565,10 +483,10 @@ _DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "f
 
 def compile_attention(
     tiles: TileShape, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype,
-    wide: bool, decode: bool, target=triton_aot.HOPPER,
+    wide: bool, target=triton_aot.HOPPER,
 ):  # fmt: skip
     """``_attend_items`` built ahead of time for ``target`` (no GPU needed), as ``paged_attention`` launches it there."""
-    options = kernel_options(tiles, num_heads, num_kv_heads, head_dim, block_size, dtype, wide, decode, use_pdl=True)
+    options = kernel_options(tiles, num_heads, num_kv_heads, head_dim, block_size, dtype, wide, use_pdl=True)
     launch = {name: options.pop(name) for name in ("num_warps", "num_stages", "maxnreg") if name in options}
     value = "*" + _DTYPE_NAMES[dtype]
     types = dict.fromkeys(("Q", "K_CACHE", "V_CACHE", "OUT", "PART_O"), value)
@@ -583,25 +501,24 @@ def compile_attention(
 
 def _launch_options(
     num_heads: int, k_cache: torch.Tensor, v_cache: torch.Tensor, tiles: TileShape, dtype: torch.dtype, wide: bool,
-    decode: bool,
 ) -> dict:  # fmt: skip
     """``kernel_options`` for a launch of ``paged_attention`` over these caches."""
     fits = tiles.int32_offsets and fits_int32_offsets(k_cache) and fits_int32_offsets(v_cache)
     use_pdl = tiles.pdl and supports_pdl(k_cache.device)
     _, block_size, num_kv_heads, head_dim = k_cache.shape
-    return kernel_options(tiles, num_heads, num_kv_heads, head_dim, block_size, dtype, wide, decode, use_pdl, fits)
+    return kernel_options(tiles, num_heads, num_kv_heads, head_dim, block_size, dtype, wide, use_pdl, fits)
 
 
 def plan_lanes(
     num_heads: int, k_cache: torch.Tensor, v_cache: torch.Tensor, tiles: TileShape, dtype: torch.dtype,
-    wide: bool = True, decode: bool = True,
+    wide: bool = True,
 ) -> int | None:  # fmt: skip
     """``plan_decode``'s ``lanes`` for launches over these caches: the kernel's programs per KV head.
 
     None until ``paged_attention`` has built that kernel on the caches' device
     (the count comes from its compiled registers).
     """
-    options = _launch_options(num_heads, k_cache, v_cache, tiles, dtype, wide, decode)
+    options = _launch_options(num_heads, k_cache, v_cache, tiles, dtype, wide)
     build = BUILDS.get((k_cache.device, tuple(sorted(options.items()))))
     return None if build is None else max(build.programs // k_cache.shape[2], 1)
 
@@ -619,15 +536,12 @@ def paged_attention(
     wide: bool = True,
     merge: bool = True,
     out: torch.Tensor | None = None,
-    decode: bool = False,
 ) -> torch.Tensor:
     """Run ``plan`` over the paged cache; ``q``/``out`` are ``[tokens, num_heads, head_dim]``.
 
     ``wide=False`` compiles the kernel without the wide-tile path (plans with
     no group items: plain decode), ``merge=False`` skips the merge launch
-    (plans whose items all write directly: prefill). ``decode``: every query
-    is its request's only new token (its key is the only one the kernel
-    before wrote), so older keys may be read before waiting for that kernel.
+    (plans whose items all write directly: prefill).
     """
     num_tokens, num_heads, head_dim = q.shape
     if not scale > 0:
@@ -642,12 +556,7 @@ def paged_attention(
     if k_cache.stride() != v_cache.stride():
         raise ValueError(f"paged_attention needs one layout for both caches, got strides {k_cache.stride()} (keys) "
                          f"and {v_cache.stride()} (values)")  # fmt: skip
-    if k_cache.element_size() == 2 and (
-        any(n % 2 for n in k_cache.stride()[:3]) or k_cache.data_ptr() % 4 or v_cache.data_ptr() % 4
-    ):  # the wide tiles read 16-bit caches as 32-bit words (_as_words); the head dimension is even (checked above)
-        raise ValueError("paged_attention reads 16-bit caches as 32-bit words: it needs even strides and caches "
-                         "that start on a 4-byte boundary")  # fmt: skip
-    options = _launch_options(num_heads, k_cache, v_cache, tiles, q.dtype, wide, decode)
+    options = _launch_options(num_heads, k_cache, v_cache, tiles, q.dtype, wide)
     use_pdl = options["USE_PDL"]
     args = (
         q, k_cache, v_cache, out, workspace.partial_out, workspace.partial_lse, block_tables, plan.wide_items,

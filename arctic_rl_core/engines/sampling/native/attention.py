@@ -44,7 +44,7 @@ def attend(
 
         return triton_attention.paged_attention(
             q, k_cache, v_cache, meta.block_tables, meta.positions, meta.plan, meta.workspace, scale, meta.tiles,
-            wide=meta.wide, merge=meta.merge, decode=not meta.is_prefill,
+            wide=meta.wide, merge=meta.merge,
         )  # fmt: skip
     if meta.is_prefill:
         return reference.paged_prefill_attention(
