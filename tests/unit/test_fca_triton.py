@@ -67,8 +67,30 @@ def check_cascade_decode_kernel_equals_plain_attention(group, target_items, **ti
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
 
 
+def check_engine_attention_runs_the_kernels_plan():
+    """The native engine's ``attend``, given a step's kernel plan (what its model runner builds on CUDA), launches
+    the kernel with it: a cascade decode step equals plain attention."""
+    from arctic_rl_core.engines.sampling.native.attention import AttentionMetadata, attend
+
+    kernel = _kernel()
+    tables, lengths = THREE_LEVELS
+    k_cache, v_cache, block_tables, g = _setup(tables, 3)
+    q = torch.randn(len(tables), HKV * 3, D, generator=g)
+    tiles = TileShape(3, wide_rows=32, narrow_rows=4)
+    plan = plan_decode(build_forest(tables, lengths, BS), lengths, tiles, target_items=64)
+    assert len(plan.wide_items) > 0 and plan.num_partial_rows > 0
+    meta = AttentionMetadata(
+        is_prefill=False, slot_mapping=torch.full((len(tables),), -1), block_tables=block_tables,
+        positions=torch.tensor([n - 1 for n in lengths], dtype=torch.int32),
+        plan=kernel.DevicePlan.from_plan(plan, "cpu"), tiles=tiles, wide=True,
+        workspace=kernel.Workspace.allocate(plan.num_partial_rows, q.shape[1], D, "cpu"),
+    )  # fmt: skip
+    expected = paged_decode_attention(q, k_cache, v_cache, block_tables, lengths, SCALE)
+    torch.testing.assert_close(attend(q, k_cache, v_cache, meta, SCALE), expected, atol=1e-5, rtol=1e-5)
+
+
 def check_cascade_decode_in_16_bit_equals_plain_attention(dtype, **tile_options):
-    """16-bit caches, which the wide tiles read as 32-bit words and unpack: within the dtype's rounding."""
+    """16-bit caches and queries: within the dtype's rounding."""
     kernel = _kernel()
     tables, lengths = THREE_LEVELS
     forest = build_forest(tables, lengths, BS)
@@ -284,6 +306,7 @@ CHECKS = {
         (3, 64),
     ),
     "stale_cache": (check_stale_cache_values_never_reach_the_output, ()),
+    "engine_attend": (check_engine_attention_runs_the_kernels_plan, ()),
     # 64-bit cache offsets (int32_offsets=False: what caches of 2**31 values or more take).
     **{
         name: (partial(check, int32_offsets=False), args)
