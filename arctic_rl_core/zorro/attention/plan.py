@@ -82,7 +82,8 @@ class TileShape:
     stages: int = 2
     wide_maxnreg: int | None = None
     pdl: bool = True
-    # 0.7-0.8 us faster in both fca_sweep cases on an H100 (2026-12-05).
+    # 0.7-0.8 us faster in both fca_sweep cases on an H100 (2026-12-05), when the early loads also took the older
+    # keys of the hand-prefetched step loop (since removed); now they are the plan and positions, not re-timed alone.
     early_loads: bool = True
     # Each step's keys and values sit behind a load of its block ids, which takes a stage of Triton's pipeline: at 3
     # or 4 stages it copies a step's keys at the end of the step before, at 5 two steps ahead. On an H100 (27th
