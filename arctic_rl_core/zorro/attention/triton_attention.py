@@ -90,16 +90,17 @@ def _block_ids(table, kv0, kv_end, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constex
 
 
 @triton.jit
-def _kv_offsets(
-    blocks, kv0, kv_end, kv_head, stride_kb, stride_ks, stride_kh,
+def _load_kv(
+    K_CACHE, V_CACHE, blocks, kv0, kv_end, kv_head, stride_kb, stride_ks, stride_kh,
     HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, INT32_OFFSETS: tl.constexpr,
 ):  # fmt: skip
-    """Where positions ``kv0 + [0, BLOCK_N)`` of one KV head sit in either cache, and which are before ``kv_end``.
+    """Keys and values at positions ``kv0 + [0, BLOCK_N)`` of one KV head, zero from ``kv_end`` on.
 
-    In 64 bits, or with ``INT32_OFFSETS`` (the launch checked that the whole
-    cache is within 2**31 values of its start) in 32: each of a thread's rows
-    then costs one multiply-add, and each address one shift-add from the
-    cache's start instead of a 64-bit multiply, shift and add.
+    Their offsets are in 64 bits, or with ``INT32_OFFSETS`` (the launch
+    checked that the whole cache is within 2**31 values of its start) in 32:
+    each of a thread's rows then costs one multiply-add, and each address one
+    shift-add from the cache's start instead of a 64-bit multiply, shift and
+    add.
     """
     kv_pos = kv0 + tl.arange(0, BLOCK_N)
     if BLOCK_N % BLOCK_SIZE == 0 and _ITEM_ALIGN % BLOCK_SIZE == 0:
@@ -114,16 +115,8 @@ def _kv_offsets(
     else:
         row = blocks.to(tl.int64) * stride_kb + in_block
         column = kv_head * stride_kh + tl.arange(0, HEAD_DIM)
-    return row[:, None] + column[None, :], (kv_pos < kv_end)[:, None]
-
-
-@triton.jit
-def _load_kv(
-    K_CACHE, V_CACHE, blocks, kv0, kv_end, kv_head, stride_kb, stride_ks, stride_kh,
-    HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, INT32_OFFSETS: tl.constexpr,
-):  # fmt: skip
-    offsets, valid = _kv_offsets(blocks, kv0, kv_end, kv_head, stride_kb, stride_ks, stride_kh, HEAD_DIM, BLOCK_SIZE,
-                                 BLOCK_N, INT32_OFFSETS)  # fmt: skip
+    offsets = row[:, None] + column[None, :]
+    valid = (kv_pos < kv_end)[:, None]
     return tl.load(K_CACHE + offsets, mask=valid, other=0.0), tl.load(V_CACHE + offsets, mask=valid, other=0.0)
 
 
