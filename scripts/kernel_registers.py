@@ -51,6 +51,14 @@ def build(tiles: TileShape, wide: bool):
     return compile_attention(tiles, 14, 2, 64, 16, torch.bfloat16, wide)
 
 
+def every_build():
+    """``(variant, tiles, wide, compiled)`` for each variant's wide and narrow build, in ``VARIANTS``' order."""
+    for name, change in VARIANTS.items():
+        tiles = dataclasses.replace(DEFAULT, **change)
+        for wide in (True, False):
+            yield name, tiles, wide, build(tiles, wide)
+
+
 def print_step_loop(variant: str) -> None:
     """One iteration of the wide decode tile's step loop (the loop of the PV product's HGMMA), by opcode."""
     compiled = build(dataclasses.replace(DEFAULT, **VARIANTS[variant]), wide=True)
@@ -62,12 +70,10 @@ def print_step_loop(variant: str) -> None:
 
 def print_digests() -> None:
     """Every variant's wide and narrow build, by the first 12 hex digits of its PTX's and its cubin's SHA-256."""
-    for name, change in VARIANTS.items():
-        for wide in (True, False):
-            compiled = build(dataclasses.replace(DEFAULT, **change), wide)
-            ptx = hashlib.sha256(compiled.asm["ptx"].encode()).hexdigest()[:12]
-            cubin = hashlib.sha256(compiled.asm["cubin"]).hexdigest()[:12]
-            print(f"{name:<20} {'wide' if wide else 'narrow':<7} ptx {ptx} cubin {cubin}", flush=True)
+    for name, _, wide, compiled in every_build():
+        ptx = hashlib.sha256(compiled.asm["ptx"].encode()).hexdigest()[:12]
+        cubin = hashlib.sha256(compiled.asm["cubin"]).hexdigest()[:12]
+        print(f"{name:<20} {'wide' if wide else 'narrow':<7} ptx {ptx} cubin {cubin}", flush=True)
 
 
 def main() -> None:
@@ -84,16 +90,13 @@ def main() -> None:
         return
     print(f"{'variant':<20} {'tile':<7} {'warps':>5} {'regs':>5} {'spill st':>9} {'spill ld':>9} {'smem':>7} "
           f"{'per SM':>6}")  # fmt: skip
-    for name, change in VARIANTS.items():
-        tiles = dataclasses.replace(DEFAULT, **change)
-        for wide in (True, False):
-            compiled = build(tiles, wide)
-            use = register_use(compiled)
-            warps = tiles.wide_warps if wide else 4
-            shared = compiled.metadata.shared
-            print(f"{name:<20} {'wide' if wide else 'narrow':<7} {warps:>5} {use.registers:>5} {use.spill_stores:>9} "
-                  f"{use.spill_loads:>9} {shared:>7} {programs_per_sm(use.registers, warps, shared):>6}",
-                  flush=True)  # fmt: skip
+    for name, tiles, wide, compiled in every_build():
+        use = register_use(compiled)
+        warps = tiles.wide_warps if wide else 4
+        shared = compiled.metadata.shared
+        print(f"{name:<20} {'wide' if wide else 'narrow':<7} {warps:>5} {use.registers:>5} {use.spill_stores:>9} "
+              f"{use.spill_loads:>9} {shared:>7} {programs_per_sm(use.registers, warps, shared):>6}",
+              flush=True)  # fmt: skip
 
 
 if __name__ == "__main__":
