@@ -19,6 +19,7 @@
 #   bash scripts/gpu_check.sh fingerprint  # the code fingerprint summary.txt records, for this tree
 #
 # On the device machine, from the project root: `source .whl/setup.sh && bash scripts/gpu_check.sh tests`.
+# With ONLY_ON=H200 (any part of the card's name) it runs only on that card and exits at once elsewhere.
 # Each step has its own time limit, so one slow step still leaves the others' logs; summary.txt lists
 # every step's exit code and seconds.
 set -uo pipefail
@@ -46,6 +47,14 @@ pytest_step() {  # pytest_step NAME LIMIT_S PYTEST_ARGS...
 # `bash scripts/gpu_check.sh fingerprint` here prints the same line for a local tree.
 fingerprint() { echo "code $(find arctic_rl_core benchmarks tests/gpu -name '*.py' | LC_ALL=C sort | xargs cat | sha1sum | cut -c1-12)"; }
 if [ "${1:-}" = fingerprint ]; then fingerprint; exit 0; fi
+
+# ONLY_ON=H200: run nothing unless the card's name contains it. A request for one kind of card may be given
+# another, and figures from the wrong card are device time spent for nothing; this stops within seconds.
+card=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1)
+if [ -n "${ONLY_ON:-}" ] && [[ "$card" != *"$ONLY_ON"* ]]; then
+  echo "ONLY_ON=$ONLY_ON, but this card is ${card:-unknown}: nothing run"
+  exit 0
+fi
 
 { date -u; git log -1 --format='%h %s' 2>/dev/null; fingerprint; python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)' 2>&1; nvidia-smi --query-gpu=name,memory.total,clocks.max.sm \
   --format=csv 2>&1; } >"$out/summary.txt"
