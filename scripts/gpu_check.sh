@@ -50,10 +50,12 @@ if [ "${1:-}" = fingerprint ]; then fingerprint; exit 0; fi
 
 # ONLY_ON=H200: run nothing unless the card's name contains it. A request for one kind of card may be given
 # another, and figures from the wrong card are device time spent for nothing; this stops within seconds.
-card=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1)
-if [ -n "${ONLY_ON:-}" ] && [[ "$card" != *"$ONLY_ON"* ]]; then
-  echo "ONLY_ON=$ONLY_ON, but this card is ${card:-unknown}: nothing run"
-  exit 0
+if [ -n "${ONLY_ON:-}" ]; then
+  card=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1)
+  if [[ "$card" != *"$ONLY_ON"* ]]; then
+    echo "ONLY_ON=$ONLY_ON, but this card is ${card:-unknown}: nothing run"
+    exit 0
+  fi
 fi
 
 { date -u; git log -1 --format='%h %s' 2>/dev/null; fingerprint; python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)' 2>&1; nvidia-smi --query-gpu=name,memory.total,clocks.max.sm \
